@@ -1,0 +1,52 @@
+# The two commands a newcomer needs: `make test` and `make demo`. Each one creates or updates .venv
+# from requirements.txt and installs minivllm into it (editable), so a fresh clone needs nothing else.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=1800
+
+.PHONY: venv test test-unit test-notebooks check-export export demo lab notebooks clean
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## make test: the whole suite: unit tests, then every notebook re-run and compared (nbval), then the export check
+test: venv
+	$(PY) -m pytest tests
+	$(PY) -m pytest $(NBVAL) notebooks/
+	$(PY) tools/export.py --check
+
+test-unit: venv
+	$(PY) -m pytest tests
+
+test-notebooks: venv
+	$(PY) -m pytest $(NBVAL) notebooks/
+
+check-export: venv
+	$(PY) tools/export.py --check
+
+## make export: write minivllm/ from the notebooks (the notebooks are the source of truth)
+export: venv
+	$(PY) tools/export.py
+
+## make notebooks: re-execute the notebooks in place, storing fresh outputs (GPU cells keep theirs on CPU)
+notebooks: venv
+	$(PY) tools/run_notebooks.py notebooks/*.ipynb
+
+## make demo: the main job
+demo: venv
+	$(PY) -m minivllm --demo
+
+## make lab: JupyterLab on the course, with the venv's kernel
+lab: venv
+	$(VENV)/bin/jupyter lab notebooks/
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build

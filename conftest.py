@@ -1,0 +1,44 @@
+"""Shared pytest set-up for tests/ and for `pytest --nbval notebooks/`.
+
+- Tests marked `gpu` are skipped where CUDA is not available.
+- Notebook cells whose first line is `#| gpu` are skipped under nbval where CUDA is not available; they keep
+  the outputs of a real GPU run (tools/run_notebooks.py leaves them alone on CPU in the same way).
+- Nothing may reach the Hugging Face hub: everything runs offline from local folders.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+GPU_MARKER = "#| gpu"
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def is_gpu_cell(source: str) -> bool:
+    "A notebook cell that only runs on a CUDA machine: its first line is `#| gpu`."
+    lines = source.lstrip().splitlines()
+    return bool(lines) and lines[0].strip() == GPU_MARKER
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; the stored output comes from a real GPU run")
+    for item in items:
+        cell = getattr(item, "cell", None)
+        if cell is not None and is_gpu_cell(cell.source):
+            item.add_marker(skip_gpu)
+        elif item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip_gpu)

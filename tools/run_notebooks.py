@@ -1,0 +1,52 @@
+"""Re-execute notebooks in place and store their outputs, as `pytest --nbval` will later compare them.
+
+    python tools/run_notebooks.py notebooks/03_scheduler.ipynb [more.ipynb ...]
+
+Cells whose first line is `#| gpu` run only where CUDA is available; elsewhere they are skipped and keep
+the outputs stored from a real GPU run (the root conftest.py skips them under nbval the same way).
+Each notebook runs in a fresh kernel of the current Python, from the notebook's own folder.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import cuda_available, is_gpu_cell  # noqa: E402
+
+
+def run_notebook(path: Path, timeout: int = 1800, gpu: bool | None = None) -> None:
+    "Execute `path` cell by cell in a fresh kernel and write it back with its new outputs."
+    gpu = cuda_available() if gpu is None else gpu
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=False,
+                            resources={"metadata": {"path": str(path.parent)}})
+    count = 0
+    with client.setup_kernel():
+        for index, cell in enumerate(nb.cells):
+            if cell.cell_type != "code":
+                continue
+            if is_gpu_cell(cell.source) and not gpu:
+                print(f"  cell {index}: GPU only, kept its stored output")
+                continue
+            client.execute_cell(cell, index, execution_count=count + 1)
+            count += 1
+    nbformat.write(nb, path)
+    print(f"ran {path} ({count} cells)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("notebooks", nargs="+", type=Path)
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
+    args = ap.parse_args()
+    for nb in args.notebooks:
+        run_notebook(nb, args.timeout)
+
+
+if __name__ == "__main__":
+    main()
