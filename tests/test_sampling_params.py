@@ -1,0 +1,64 @@
+"""SamplingParams: vLLM's field names and defaults, and a clear error for every bad value."""
+import pytest
+
+from minivllm.sampling_params import SamplingParams
+
+
+def test_defaults_follow_vllm():
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.max_tokens) == (1.0, 1.0, -1, 0.0, None, 16)
+    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.logprobs) == ([], [], False, None)
+    assert not p.greedy and SamplingParams(temperature=0).greedy
+
+
+def test_normalizes_stop_lists():
+    assert SamplingParams(stop="\n").stop == ["\n"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=1.1), "min_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(stop_token_ids=[1, -2]), "stop_token_ids"),
+])
+def test_bad_values_are_value_errors_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature="0.5"), "temperature"),
+    (dict(temperature=True), "temperature"),
+    (dict(top_k=2.0), "top_k"),
+    (dict(max_tokens=1.5), "max_tokens"),
+    (dict(seed="42"), "seed"),
+    (dict(ignore_eos=1), "ignore_eos"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop=[1]), "stop"),
+    (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(logprobs=0.5), "logprobs"),
+])
+def test_wrong_types_are_type_errors_naming_the_field(kwargs, field):
+    with pytest.raises(TypeError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_field_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="temprature"):
+        SamplingParams(temprature=0.5)
+
+
+def test_accepted_edge_values():
+    p = SamplingParams(temperature=0, top_p=1, top_k=0, min_p=1.0, max_tokens=None, seed=0, logprobs=0)
+    assert p.greedy and not p.top_k_enabled and p.max_tokens is None
+    assert SamplingParams(top_k=5).top_k_enabled
