@@ -110,8 +110,9 @@ def test_greedy_in_low_precision_matches_float32_argmax(dtype):
 
 def test_greedy_rows_of_a_mixed_batch_take_the_argmax():
     logits = random_logits(6, 300, seed=2)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5), SamplingParams(temperature=0.0, top_k=5),
-              SamplingParams(top_k=7, min_p=0.1), SamplingParams(temperature=1e-6), SamplingParams(top_p=0.3)]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5),
+              SamplingParams(temperature=0.0, top_k=5), SamplingParams(top_k=7, min_p=0.1),
+              SamplingParams(temperature=1e-6), SamplingParams(top_p=0.3)]
     s = SamplingTensors.from_params(params)
     assert not s.all_greedy and not s.all_random
     assert s.greedy_mask.tolist() == [True, False, True, False, True, False]
