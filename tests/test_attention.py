@@ -1,0 +1,262 @@
+"""The attention context, the PyTorch reference (proved against dense causal attention) and the `Attention` layer.
+
+The layer's Triton backend runs in Triton's interpreter on machines without CUDA (TRITON_INTERPRET is set before any
+kernel module is imported; see tests/test_kernels.py). flash-attn tests skip unless flash_attn is importable on a GPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from minivllm.kernels.reference import (causal_attention_ref, gather_kv, paged_attention_ref,  # noqa: E402
+                                        store_kvcache_ref, varlen_attention_ref)
+from minivllm.layers.attention import BACKEND_ENV, Attention, flash_attn_available, select_backend  # noqa: E402
+from minivllm.utils.context import Context, get_context, make_context, reset_context, set_context  # noqa: E402
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+@pytest.fixture(autouse=True)
+def _clean_context(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    reset_context()
+    yield
+    reset_context()
+
+
+def dense_causal(q, k, v, scale):
+    "Naive attention over a whole sequence [n, heads, dim], no paging: PyTorch's SDPA with is_causal."
+    group = q.shape[1] // k.shape[1]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.repeat_interleave(group, 1).transpose(0, 1).float(),
+                                       v.repeat_interleave(group, 1).transpose(0, 1).float(), is_causal=True,
+                                       scale=scale)
+    return o.transpose(0, 1).to(q.dtype)
+
+
+class Step:
+    "Full random sequences, a cache holding their first (context - query) tokens in shuffled blocks, and the step."
+
+    def __init__(self, q_lens, ctx_lens, block_size, heads, kv_heads, dim=8, seed=0, device="cpu"):
+        g = torch.Generator().manual_seed(seed)
+        self.q_lens, self.ctx_lens, self.scale = q_lens, ctx_lens, dim ** -0.5
+        self.full = [tuple(torch.randn(n, h, dim, generator=g) for h in (heads, kv_heads, kv_heads)) for n in ctx_lens]
+        need = [-(-n // block_size) for n in ctx_lens]
+        perm = torch.randperm(sum(need) + 2, generator=g).tolist()
+        self.tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
+        self.k_cache = torch.zeros(sum(need) + 2, block_size, kv_heads, dim)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        for (_, k, v), n, m, table in zip(self.full, ctx_lens, q_lens, self.tables):
+            for p in range(n - m):
+                self.k_cache[table[p // block_size], p % block_size] = k[p]
+                self.v_cache[table[p // block_size], p % block_size] = v[p]
+        self.ctx = make_context(q_lens, ctx_lens, self.tables, block_size)
+        self.q, self.k, self.v = (torch.cat([f[i][n - m:] for f, n, m in zip(self.full, ctx_lens, q_lens)])
+                                  for i in range(3))
+        if device != "cpu":
+            for name in ("k_cache", "v_cache", "q", "k", "v"):
+                setattr(self, name, getattr(self, name).to(device))
+            self.ctx = make_context(q_lens, ctx_lens, self.tables, block_size, device=device)
+
+    def dense(self):
+        "The step's expected output, from naive dense attention over each whole sequence."
+        return torch.cat([dense_causal(q, k, v, self.scale)[n - m:]
+                          for (q, k, v), n, m in zip(self.full, self.ctx_lens, self.q_lens)])
+
+
+MIXED = dict(q_lens=[1, 5, 6, 1, 11], ctx_lens=[7, 9, 6, 1, 30])   # decode, chunk over a prefix, fresh prompts
+
+
+# ---------------------------------------------------------------- context
+
+def test_make_context_running_example():
+    ctx = make_context([1, 5, 6], [7, 9, 6], [[3, 9], [5, 2, 7], [0, 11]], 4)
+    assert not ctx.is_decode_only
+    assert ctx.cu_seqlens_q.tolist() == [0, 1, 6, 12] and ctx.cu_seqlens_k.tolist() == [0, 7, 16, 22]
+    assert (ctx.max_seqlen_q, ctx.max_seqlen_k) == (6, 9)
+    assert ctx.slot_mapping.tolist() == [38, 8, 9, 10, 11, 28, 0, 1, 2, 3, 44, 45]
+    assert ctx.context_lens.tolist() == [7, 9, 6]
+    assert ctx.block_tables.tolist() == [[3, 9, -1], [5, 2, 7], [0, 11, -1]]
+    assert ctx.cu_seqlens_q.dtype == ctx.context_lens.dtype == ctx.block_tables.dtype == torch.int32
+    assert make_context([1, 1], [3, 8], [[0], [1, 2]], 4).is_decode_only
+
+
+def test_make_context_rejects_bad_input():
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        make_context([1], [3, 4], [[0]], 4)
+    with pytest.raises(ValueError, match="query_len <= context_len"):
+        make_context([5], [3], [[0]], 4)
+    with pytest.raises(ValueError, match="cannot hold"):
+        make_context([1], [9], [[0, 1]], 4)
+
+
+def test_set_get_reset_context():
+    assert get_context() == Context()
+    ctx = make_context([1], [3], [[2]], 4)
+    assert set_context(ctx) is ctx and get_context() is ctx
+    made = set_context(True, slot_mapping=torch.tensor([3]))
+    assert get_context() is made and made.is_decode_only and made.slot_mapping.tolist() == [3]
+    with pytest.raises(TypeError):
+        set_context(ctx, slot_mapping=None)
+    reset_context()
+    assert get_context().slot_mapping is None and not get_context().is_decode_only
+
+
+# ---------------------------------------------------------------- the reference, proved
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_reference_matches_dense_causal_attention(block_size, group):
+    step = Step(MIXED["q_lens"], MIXED["ctx_lens"], block_size, heads=2 * group, kv_heads=2, seed=group)
+    store_kvcache_ref(step.k, step.v, step.k_cache, step.v_cache, step.ctx.slot_mapping)
+    out = paged_attention_ref(step.q, step.k_cache, step.v_cache, step.ctx.cu_seqlens_q, step.ctx.context_lens,
+                              step.ctx.block_tables, step.scale)
+    torch.testing.assert_close(out, step.dense(), **TOL)
+
+
+def test_gather_kv_and_store_ref():
+    step = Step([3], [10], 4, heads=2, kv_heads=1)
+    slots = torch.cat([step.ctx.slot_mapping, torch.tensor([-1, -5])])
+    junk = torch.full((2, 1, 8), 7.0)
+    before = step.k_cache.clone()
+    store_kvcache_ref(torch.cat([step.k, junk]), torch.cat([step.v, junk]), step.k_cache, step.v_cache, slots)
+    assert torch.equal(gather_kv(step.k_cache, step.ctx.block_tables[0], 10), step.full[0][1])
+    assert torch.equal(gather_kv(step.v_cache, step.ctx.block_tables[0], 10), step.full[0][2])
+    changed = (step.k_cache != before).flatten(1).any(1).nonzero().flatten().tolist()
+    assert set(changed) <= {s // 4 for s in step.ctx.slot_mapping.tolist()}   # only the slots' blocks changed
+
+
+def test_causal_attention_ref_single_query_sees_everything():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 8, generator=g), torch.randn(6, 2, 8, generator=g), torch.randn(6, 2, 8, generator=g)
+    want = torch.softmax(torch.einsum("hd,khd->hk", q[0], k.repeat_interleave(2, 1)) * 0.3, -1)
+    want = torch.einsum("hk,khd->hd", want, v.repeat_interleave(2, 1))
+    torch.testing.assert_close(causal_attention_ref(q, k, v, 0.3)[0], want, **TOL)
+
+
+def test_varlen_reference_matches_dense():
+    g = torch.Generator().manual_seed(2)
+    lens = [4, 1, 9]
+    qkv = [torch.randn(14, h, 8, generator=g) for h in (4, 2, 2)]
+    cu = torch.tensor([0, 4, 5, 14], dtype=torch.int32)
+    out = varlen_attention_ref(*qkv, cu, cu, 0.35)
+    starts = [0, 4, 5]
+    want = torch.cat([dense_causal(*(t[s:s + n] for t in qkv), 0.35) for s, n in zip(starts, lens)])
+    torch.testing.assert_close(out, want, **TOL)
+
+
+# ---------------------------------------------------------------- backend choice
+
+def test_select_backend(monkeypatch):
+    assert select_backend("cpu") == "torch"
+    assert select_backend("cpu", 256) == "torch"
+    assert select_backend("cpu", 16, "torch") == "torch"
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'.*torch, triton, flash_attn"):
+        select_backend("cpu", 16, "fast")
+    with pytest.raises(ValueError, match="'flash_attn' is not available.*choose one of"):
+        select_backend("cpu", 16, "flash_attn")
+    monkeypatch.setenv(BACKEND_ENV, "nope")
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        select_backend("cpu")
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    assert select_backend("cpu") == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="need a CUDA device"):
+            select_backend("cpu", 16, "triton")
+
+
+@pytest.mark.gpu
+def test_select_backend_on_cuda():
+    expect_flash = flash_attn_available()
+    assert select_backend("cuda", 256) == ("flash_attn" if expect_flash else "triton")
+    assert select_backend("cuda", 16) == "triton"            # flash-attn's paged KV needs block_size % 256 == 0
+    assert select_backend("cuda", None) == ("flash_attn" if expect_flash else "triton")
+    reason = "block_size % 256" if expect_flash else "flash_attn is not importable"
+    with pytest.raises(ValueError, match=reason):
+        select_backend("cuda", 16, "flash_attn")
+
+
+# ---------------------------------------------------------------- the layer
+
+def test_attention_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        Attention(6, 8, 0.3, 4)
+    with pytest.raises(ValueError, match="num_heads must be a positive int"):
+        Attention(0, 8, 0.3, 1)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        Attention(4, 8, 0.3, 2, backend="cuda")
+    attn = Attention(4, 8, 0.3, 2)
+    with pytest.raises(ValueError, match=r"q \[N, 4, 8\]"):
+        attn(torch.zeros(3, 2, 8), torch.zeros(3, 2, 8), torch.zeros(3, 2, 8))
+    with pytest.raises(ValueError, match="k, v"):
+        attn(torch.zeros(3, 4, 8), torch.zeros(2, 2, 8), torch.zeros(2, 2, 8))
+    attn.k_cache, attn.v_cache = torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        attn(torch.zeros(3, 4, 8), torch.zeros(3, 2, 8), torch.zeros(3, 2, 8))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_attention_layer_mixed_step(backend, block_size):
+    step = Step(MIXED["q_lens"], MIXED["ctx_lens"], block_size, heads=4, kv_heads=2, seed=block_size)
+    attn = Attention(4, 8, step.scale, 2, backend=backend)
+    attn.k_cache, attn.v_cache = step.k_cache, step.v_cache
+    set_context(step.ctx)
+    out = attn(step.q, step.k, step.v)
+    torch.testing.assert_close(out, step.dense(), **TOL)
+    for i, (_, k, _) in enumerate(step.full):   # every sequence's whole K is now in the cache
+        torch.testing.assert_close(gather_kv(attn.k_cache, step.ctx.block_tables[i], step.ctx_lens[i]), k)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_layer_decode_step_without_cu_seqlens_q(backend, monkeypatch):
+    "A decode-only context may give only slot_mapping, context_lens and block_tables (as nano-vllm's runner does)."
+    monkeypatch.setenv(BACKEND_ENV, backend)
+    step = Step([1, 1, 1], [5, 17, 1], 4, heads=8, kv_heads=2, seed=9)
+    attn = Attention(8, 8, step.scale, 2)
+    attn.k_cache, attn.v_cache = step.k_cache, step.v_cache
+    set_context(True, slot_mapping=step.ctx.slot_mapping, context_lens=step.ctx.context_lens,
+                block_tables=step.ctx.block_tables)
+    torch.testing.assert_close(attn(step.q, step.k, step.v), step.dense(), **TOL)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_layer_without_cache(backend):
+    step = Step([7, 3, 12], [7, 3, 12], 4, heads=4, kv_heads=1, seed=11)
+    attn = Attention(4, 8, step.scale, 1, backend=backend)
+    torch.testing.assert_close(attn(*step.full[2]), dense_causal(*step.full[2], step.scale), **TOL)  # no context
+    set_context(False, cu_seqlens_q=step.ctx.cu_seqlens_q, cu_seqlens_k=step.ctx.cu_seqlens_k,
+                max_seqlen_q=12, max_seqlen_k=12)
+    torch.testing.assert_close(attn(step.q, step.k, step.v), step.dense(), **TOL)
+
+
+def test_attention_is_an_nn_module_without_cache_state():
+    attn = Attention(16, 128, 128 ** -0.5, 8)
+    assert list(attn.state_dict()) == [] and attn.k_cache.numel() == 0
+    assert "num_heads=16, num_kv_heads=8, head_dim=128" in repr(attn)
+
+
+# ---------------------------------------------------------------- flash-attn (GPU, when installed)
+
+@pytest.mark.gpu
+def test_flash_attn_backend_matches_reference():
+    pytest.importorskip("flash_attn")
+    bf16 = dict(atol=2e-2, rtol=2e-2)
+    for q_lens, ctx_lens in [(MIXED["q_lens"], MIXED["ctx_lens"]), ([1, 1, 1], [300, 5, 1000])]:
+        step = Step(q_lens, ctx_lens, 256, heads=16, kv_heads=8, dim=128, seed=12, device="cuda")
+        for name in ("k_cache", "v_cache", "q", "k", "v"):
+            setattr(step, name, getattr(step, name).to(torch.bfloat16))
+        set_context(step.ctx)
+        outs = {}
+        for backend in ("flash_attn", "torch"):
+            attn = Attention(16, 128, step.scale, 8, backend=backend)
+            attn.k_cache, attn.v_cache = step.k_cache.clone(), step.v_cache.clone()
+            outs[backend] = attn(step.q, step.k, step.v).float()
+        torch.testing.assert_close(outs["flash_attn"], outs["torch"], **bf16)

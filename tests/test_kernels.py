@@ -1,0 +1,291 @@
+"""Triton kernels of notebook 05 against the PyTorch reference.
+
+On a machine without CUDA the kernels run in Triton's interpreter: Triton reads TRITON_INTERPRET when a kernel is
+*defined*, so it is set here, before `minivllm.kernels.*` is imported (pytest imports every test module before running
+any test; the package imports its kernel modules only when a Triton backend is used).
+CPU runs use tiny shapes in float32 (interpreter errors ~1e-7, tolerance 2e-5) plus one float16 and one bfloat16 case.
+GPU tests (`-m gpu`) use Qwen3-0.6B's shapes in bfloat16: tolerance 2e-2 absolute + 2e-2 relative (bfloat16 keeps 8
+significant bits: one rounding of a value near 1 is up to 4e-3, and the kernels round the softmax weights and the
+output to bfloat16).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from minivllm.kernels.paged_decode import MAX_SPLITS, choose_num_splits, paged_decode_attention  # noqa: E402
+from minivllm.kernels.paged_prefill import paged_prefill_attention, varlen_prefill_attention  # noqa: E402
+from minivllm.kernels.reference import (paged_attention_ref, store_kvcache_ref,  # noqa: E402
+                                        varlen_attention_ref)
+from minivllm.kernels.store_kvcache import store_kvcache  # noqa: E402
+from minivllm.utils.context import make_context  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CPU_TOL = dict(atol=2e-5, rtol=2e-5)
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def random_step(q_lens, ctx_lens, block_size, heads=4, kv_heads=2, dim=8, dtype=torch.float32, device=DEVICE,
+                seed=0, spare_blocks=3):
+    "A cache of shuffled blocks holding every sequence's K/V (random), the step's context, and its queries."
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in ctx_lens]
+    num_blocks = sum(need) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
+    shape = (num_blocks, block_size, kv_heads, dim)
+    k_cache = torch.randn(shape, generator=g).to(device, dtype)
+    v_cache = torch.randn(shape, generator=g).to(device, dtype)
+    ctx = make_context(q_lens, ctx_lens, tables, block_size, device=device)
+    q = torch.randn(sum(q_lens), heads, dim, generator=g).to(device, dtype)
+    return q, k_cache, v_cache, ctx
+
+
+def ref(q, k_cache, v_cache, ctx, scale):
+    return paged_attention_ref(q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, scale)
+
+
+# ---------------------------------------------------------------- store_kvcache
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_store_kvcache_matches_reference_and_skips_negative_slots(block_size):
+    g = torch.Generator().manual_seed(1)
+    num_blocks, heads, dim, n = 5, 2, 8, 9
+    qkv = torch.randn(n, 3 * heads, dim, generator=g).to(DEVICE)   # k and v as strided slices of a packed projection
+    k, v = qkv[:, heads:2 * heads], qkv[:, 2 * heads:]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n].to(DEVICE)
+    slots[[2, 7]] = -1
+    caches = [torch.randn(num_blocks, block_size, heads, dim, generator=g).to(DEVICE) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    store_kvcache_ref(k, v, want[0], want[1], slots)
+    store_kvcache(k, v, caches[0], caches[1], slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    flat_k = caches[0].view(-1, heads, dim)
+    for i in range(n):
+        if slots[i] >= 0:
+            assert torch.equal(flat_k[slots[i]], k[i])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[slots >= 0].cpu()] = False
+    assert torch.equal(caches[1].view(-1, heads, dim)[untouched.to(DEVICE)],
+                       want[1].view(-1, heads, dim)[untouched.to(DEVICE)])
+
+
+def test_store_kvcache_rejects_mismatches():
+    k = torch.zeros(3, 2, 8, device=DEVICE)
+    cache = torch.zeros(4, 4, 2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="cache is"):
+        store_kvcache(k, k, cache.half(), cache.half(), torch.zeros(3, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kvcache(k, k, cache, cache, torch.zeros(2, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="k_cache and v_cache"):
+        store_kvcache(k, k, cache, torch.zeros(4, 4, 2, 16, device=DEVICE), torch.zeros(3, device=DEVICE))
+
+
+# ---------------------------------------------------------------- decode
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_reference(block_size, group, num_splits):
+    # lengths: one token, not a multiple of the tile, exactly a tile, several tiles (some splits empty with 3 splits)
+    ctx_lens = [1, 23, 32, 70]
+    q, kc, vc, ctx = random_step([1] * 4, ctx_lens, block_size, heads=2 * group, kv_heads=2, seed=block_size + group)
+    out = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.3, num_splits=num_splits, block_n=16)
+    torch.testing.assert_close(out, ref(q, kc, vc, ctx, 0.3), **CPU_TOL)
+
+
+def test_decode_tile_larger_and_smaller_than_a_block_and_odd_head_dim():
+    q, kc, vc, ctx = random_step([1, 1], [37, 64], 16, heads=6, kv_heads=3, dim=24, seed=3)
+    want = ref(q, kc, vc, ctx, 0.2)
+    for block_n in (16, 32):   # one block per tile, two blocks per tile
+        out = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.2, num_splits=2,
+                                     block_n=block_n)
+        torch.testing.assert_close(out, want, **CPU_TOL)
+
+
+def test_decode_padding_sequence_of_length_zero_gives_zeros():
+    "CUDA-graph padding: a slot with context_len 0 reads nothing and returns zeros, with or without splits."
+    q, kc, vc, ctx = random_step([1, 1], [9, 5], 4, seed=4)
+    context_lens = ctx.context_lens.clone()
+    context_lens[1] = 0
+    for splits in (1, 2):
+        out = paged_decode_attention(q, kc, vc, context_lens, ctx.block_tables, 0.5, num_splits=splits, block_n=16)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        torch.testing.assert_close(out[:1], ref(q, kc, vc, ctx, 0.5)[:1], **CPU_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_half_precision(dtype):
+    q, kc, vc, ctx = random_step([1] * 3, [5, 40, 17], 16, heads=4, kv_heads=2, dim=16, dtype=dtype, seed=5)
+    out = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.25, num_splits=2, block_n=16)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref(q, kc, vc, ctx, 0.25).float(), **BF16_TOL)
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(256, 8, 1024, 64, 132) == 1          # 2048 programs already fill an H200
+    assert choose_num_splits(1, 8, 8192, 64, 132) == 32           # 8 programs -> 256
+    assert choose_num_splits(1, 8, 512, 64, 132) == 2             # never fewer than 4 tiles per split
+    assert choose_num_splits(1, 1, 10 ** 6, 64, 132) == MAX_SPLITS
+    assert choose_num_splits(4, 8, 16, 64, 132) == 1
+
+
+def test_decode_rejects_mismatched_shapes():
+    q, kc, vc, ctx = random_step([1, 1], [5, 6], 4)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_decode_attention(q[..., :4], kc, vc, ctx.context_lens, ctx.block_tables, 0.5)
+    with pytest.raises(ValueError, match="one row per sequence"):
+        paged_decode_attention(q, kc, vc, ctx.context_lens[:1], ctx.block_tables, 0.5)
+
+
+# ---------------------------------------------------------------- prefill / mixed steps
+
+MIXED = dict(q_lens=[1, 5, 13, 1, 20], ctx_lens=[9, 9, 30, 1, 20])   # decode, chunk over a cached prefix, fresh prompt
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_mixed_step_matches_reference(block_size, group):
+    q, kc, vc, ctx = random_step(MIXED["q_lens"], MIXED["ctx_lens"], block_size, heads=2 * group, kv_heads=2,
+                                 seed=10 * block_size + group)
+    out = paged_prefill_attention(q, kc, vc, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, 0.3, block_n=16)
+    torch.testing.assert_close(out, ref(q, kc, vc, ctx, 0.3), **CPU_TOL)
+
+
+def test_mixed_step_small_query_blocks_and_odd_group():
+    "Query blocks of 4 tokens (many programs per sequence), a group of 3 padded to 4, head_dim 24 padded to 32."
+    q, kc, vc, ctx = random_step(MIXED["q_lens"], MIXED["ctx_lens"], 4, heads=6, kv_heads=2, dim=24, seed=7)
+    out = paged_prefill_attention(q, kc, vc, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, 0.2,
+                                  block_m=16, block_n=32)
+    torch.testing.assert_close(out, ref(q, kc, vc, ctx, 0.2), **CPU_TOL)
+
+
+def test_mixed_step_bfloat16():
+    q, kc, vc, ctx = random_step([3, 1, 17], [3, 30, 40], 16, heads=4, kv_heads=2, dim=16, dtype=torch.bfloat16)
+    out = paged_prefill_attention(q, kc, vc, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, 0.25)
+    torch.testing.assert_close(out.float(), ref(q, kc, vc, ctx, 0.25).float(), **BF16_TOL)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_varlen_without_cache_matches_reference(group):
+    g = torch.Generator().manual_seed(group)
+    lens = [7, 1, 19]
+    cu = torch.tensor([0, 7, 8, 27], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(27, 2 * group, 8, generator=g).to(DEVICE)
+    kv = torch.randn(27, 4, 8, generator=g).to(DEVICE)
+    k, v = kv[:, :2], kv[:, 2:]                                     # strided views
+    out = varlen_prefill_attention(q, k, v, cu, cu, 0.4, block_n=16)
+    assert sum(lens) == q.shape[0]
+    torch.testing.assert_close(out, varlen_attention_ref(q, k, v, cu, cu, 0.4), **CPU_TOL)
+
+
+def test_prefill_rejects_inconsistent_metadata():
+    q, kc, vc, ctx = random_step([2, 3], [4, 5], 4)
+    with pytest.raises(ValueError, match="same batch"):
+        paged_prefill_attention(q, kc, vc, ctx.cu_seqlens_q, ctx.context_lens[:1], ctx.block_tables, 0.5)
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        varlen_prefill_attention(q, q[:, :2], q[:, :2], ctx.cu_seqlens_q, ctx.cu_seqlens_q[:2], 0.5)
+
+
+# ---------------------------------------------------------------- GPU, real sizes (Qwen3-0.6B: 16 heads, 8 KV heads, 128)
+
+QWEN = dict(heads=16, kv_heads=8, dim=128, dtype=torch.bfloat16, device="cuda")
+SCALE = 128 ** -0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_decode_batch_256(block_size):
+    g = torch.Generator().manual_seed(0)
+    ctx_lens = torch.randint(1, 2049, (256,), generator=g).tolist()
+    q, kc, vc, ctx = random_step([1] * 256, ctx_lens, block_size, seed=1, **QWEN)
+    want = ref(q, kc, vc, ctx, SCALE).float()
+    for splits in (1, None, 4):
+        out = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, SCALE, num_splits=splits)
+        torch.testing.assert_close(out.float(), want, **BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_decode_long_contexts_split_kv(block_size):
+    ctx_lens = [8192, 8000, 4097, 1, 3000, 7777, 64, 8191]
+    q, kc, vc, ctx = random_step([1] * 8, ctx_lens, block_size, seed=2, **QWEN)
+    want = ref(q, kc, vc, ctx, SCALE).float()
+    for splits in (None, 1, 64):
+        out = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, SCALE, num_splits=splits)
+        torch.testing.assert_close(out.float(), want, **BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_mixed_step(block_size):
+    # decode tokens, chunks over long cached prefixes, a fresh 2048-token prompt
+    q_lens = [1] * 32 + [512, 1000, 2048, 7, 300]
+    ctx_lens = [int(x) for x in torch.randint(1, 8193, (32,), generator=torch.Generator().manual_seed(3))] + \
+        [8192, 4000, 2048, 700, 300]
+    q, kc, vc, ctx = random_step(q_lens, ctx_lens, block_size, seed=4, **QWEN)
+    out = paged_prefill_attention(q, kc, vc, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, SCALE)
+    torch.testing.assert_close(out.float(), ref(q, kc, vc, ctx, SCALE).float(), **BF16_TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_without_cache():
+    lens = [1, 2048, 333, 4096]
+    cu = torch.tensor([0] + lens, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(lens), 16, 128, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(sum(lens), 8, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    out = varlen_prefill_attention(q, k, v, cu, cu, SCALE)
+    torch.testing.assert_close(out.float(), varlen_attention_ref(q, k, v, cu, cu, SCALE).float(), **BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_store_kvcache(block_size):
+    g = torch.Generator().manual_seed(6)
+    num_blocks, n = 4096 // block_size * 8, 3000
+    k, v = (torch.randn(n, 8, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n].to("cuda")
+    slots[::7] = -1
+    caches = [torch.randn(num_blocks, block_size, 8, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    store_kvcache_ref(k, v, want[0], want[1], slots)
+    store_kvcache(k, v, caches[0], caches[1], slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+
+
+@pytest.mark.gpu
+def test_gpu_decode_cuda_graph_replays_with_new_lengths():
+    "The grid depends only on shapes: capture once, then change lengths and tables in place, and replay."
+    q, kc, vc, ctx = random_step([1] * 16, [100] * 16, 16, seed=7, spare_blocks=2000, **QWEN)
+    block_tables = torch.full((16, 128), -1, dtype=torch.int32, device="cuda")   # capacity 128 blocks = 2048 tokens
+    block_tables[:, :7] = ctx.block_tables
+    context_lens = ctx.context_lens.clone()
+    out = torch.empty_like(q)
+    run = lambda: paged_decode_attention(q, kc, vc, context_lens, block_tables, SCALE, out=out)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()                                  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    g = torch.Generator().manual_seed(8)
+    new_lens = torch.randint(0, 2049, (16,), generator=g)
+    new_lens[0] = 0                            # a padding slot
+    new_tables = torch.randperm(kc.shape[0], generator=g)[:16 * 128].view(16, 128)
+    context_lens.copy_(new_lens)
+    block_tables.copy_(new_tables)
+    graph.replay()
+    torch.cuda.synchronize()
+    cu = torch.arange(17, dtype=torch.int32, device="cuda")
+    want = paged_attention_ref(q, kc, vc, cu, context_lens, block_tables, SCALE)
+    torch.testing.assert_close(out.float(), want.float(), **BF16_TOL)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
