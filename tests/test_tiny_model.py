@@ -1,0 +1,179 @@
+"""Checks of the tiny Qwen3 model embedded in minivllm (``minivllm/data/tiny-qwen3``).
+
+The folder is made by ``tools/train_tiny_qwen3.py``.  These tests run offline
+on CPU: they check the folder's format, that ``transformers`` loads it, that
+the tokenizer and chat template work, and that the model is actually good:
+its cross-entropy on held-out standard-library code must be at most 60% of
+the best unigram model's on the same tokens (the unigram distribution is fit
+on those evaluated tokens themselves, which is stricter than fitting it on
+the training split).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MAX_FOLDER_BYTES = 16 * 1024 * 1024
+REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
+EVAL_TOKENS = 16 * 1024  # first tokens of the held-out split
+WINDOW = 512
+MAX_RATIO_TO_UNIGRAM = 0.6
+
+CODE_SNIPPET = '''import os
+
+
+def greet(name: str) -> str:
+\t"""Say hello — en français: « salut »."""
+    if not name:\r\n        raise ValueError("empty")  # 🐍
+    return f"Hello, {name}!" * 2
+'''
+
+
+def _load_build_script() -> ModuleType:
+    """Import ``tools/train_tiny_qwen3.py`` (for the corpus / held-out helpers)."""
+    path = REPO_ROOT / "tools" / "train_tiny_qwen3.py"
+    spec = importlib.util.spec_from_file_location("train_tiny_qwen3", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses need the module registered
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def model_path() -> Path:
+    # Later: `from minivllm.tiny_model import TINY_MODEL_PATH; return Path(TINY_MODEL_PATH)`.
+    return REPO_ROOT / "minivllm" / "data" / "tiny-qwen3"
+
+
+@pytest.fixture(scope="module")
+def config(model_path: Path) -> dict:
+    return json.loads((model_path / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def model(model_path: Path):
+    return AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path: Path):
+    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+
+
+def test_folder_has_required_files_and_is_small(model_path: Path) -> None:
+    assert model_path.is_dir(), f"{model_path} is missing: run tools/train_tiny_qwen3.py"
+    for name in REQUIRED_FILES:
+        assert (model_path / name).is_file(), f"{name} missing from {model_path}"
+    size = sum(p.stat().st_size for p in model_path.rglob("*") if p.is_file())
+    assert size <= MAX_FOLDER_BYTES, f"{model_path} is {size / 2**20:.1f} MiB"
+
+
+def test_weights_are_bf16_and_tied_weights_saved_once(model_path: Path) -> None:
+    with safe_open(model_path / "model.safetensors", framework="pt") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    assert dtypes and set(dtypes.values()) == {"BF16"}, dtypes
+    assert "model.embed_tokens.weight" in dtypes
+    assert "lm_head.weight" not in dtypes  # tied to the embedding
+    assert "model.layers.0.self_attn.q_norm.weight" in dtypes
+    assert "model.layers.0.self_attn.k_norm.weight" in dtypes
+
+
+def test_config_keeps_what_makes_qwen3_qwen3(config: dict) -> None:
+    assert config["model_type"] == "qwen3"
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    assert config["num_key_value_heads"] < config["num_attention_heads"]  # GQA
+    assert config["num_attention_heads"] % config["num_key_value_heads"] == 0
+    assert config["num_attention_heads"] * config["head_dim"] != config["hidden_size"]
+    assert config["tie_word_embeddings"] is True
+    assert config["dtype"] == "bfloat16"
+    assert isinstance(config["eos_token_id"], int)
+
+
+def test_model_loads_offline_with_tied_embeddings(model, config: dict) -> None:
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.generation_config.eos_token_id == config["eos_token_id"]
+
+
+def test_tokenizer_special_tokens(tokenizer, config: dict) -> None:
+    assert tokenizer.eos_token == "<|endoftext|>"
+    assert tokenizer.eos_token_id == config["eos_token_id"]
+    assert tokenizer.pad_token == "<|endoftext|>"
+    for token in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        assert len(tokenizer.encode(token)) == 1, token
+    assert len(tokenizer) == config["vocab_size"]
+
+
+def test_tokenizer_round_trips_code(tokenizer, model_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    ids = tokenizer.encode(CODE_SNIPPET)
+    assert tokenizer.decode(ids) == CODE_SNIPPET
+    # transformers must use tokenizer.json as is (no added BOS, no swapped pre-tokenizer).
+    assert ids == Tokenizer.from_file(str(model_path / "tokenizer.json")).encode(CODE_SNIPPET).ids
+
+
+def test_chat_template_renders(tokenizer) -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Print hello."},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+        "<|im_start|>user\nPrint hello.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    no_prompt = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert no_prompt == text.removesuffix("<|im_start|>assistant\n")
+
+
+def test_greedy_generation_runs(model, tokenizer) -> None:
+    inputs = tokenizer("def main(", return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert out.shape[0] == 1 and inputs["input_ids"].shape[1] < out.shape[1] <= inputs["input_ids"].shape[1] + 8
+
+
+def test_heldout_cross_entropy_beats_unigram(model, tokenizer) -> None:
+    build_script = _load_build_script()
+    text = build_script.read_corpus("heldout", max_chars=EVAL_TOKENS * 8)
+    ids = torch.tensor(tokenizer(text, verbose=False)["input_ids"][:EVAL_TOKENS])
+    assert len(ids) == EVAL_TOKENS
+    windows = ids.view(-1, WINDOW)
+    targets = windows[:, 1:]
+
+    total = 0.0
+    with torch.no_grad():
+        for chunk in windows.split(8):
+            logits = model(input_ids=chunk[:, :-1], use_cache=False).logits.float()
+            total += F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum").item()
+    model_ce = total / targets.numel()
+
+    counts = torch.bincount(targets.flatten()).double()
+    probs = counts[counts > 0] / counts.sum()
+    unigram_ce = float(-(probs * probs.log()).sum())
+
+    assert model_ce <= MAX_RATIO_TO_UNIGRAM * unigram_ce, (
+        f"held-out CE {model_ce:.3f} nats/token > {MAX_RATIO_TO_UNIGRAM} x unigram CE {unigram_ce:.3f} "
+        f"(ratio {model_ce / unigram_ce:.3f})"
+    )
