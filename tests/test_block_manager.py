@@ -1,0 +1,367 @@
+"""Tests of minivllm.engine.block_manager: block counts, ref counts, prefix cache, free-list order, accounting."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minivllm.engine.block_manager as bm_module
+from minivllm.engine.block_manager import Block, BlockManager, FreeBlockQueue, compute_block_hash
+from minivllm.engine.sequence import Sequence
+
+
+def seq_of(tokens, block_size=4) -> Sequence:
+    return Sequence(list(tokens), block_size=block_size)
+
+
+def run_step(bm: BlockManager, seq: Sequence, n: int | None = None) -> None:
+    "Allocate and 'compute' the next n tokens (all uncomputed tokens by default), then commit."
+    n = seq.num_uncomputed_tokens if n is None else n
+    bm.allocate(seq, n)
+    seq.num_computed_tokens += n
+    bm.commit(seq)
+
+
+def admit(bm: BlockManager, seq: Sequence) -> int:
+    "Admit a new sequence and compute its whole prompt; returns its cached tokens."
+    cached = bm.allocate_prefix(seq)
+    run_step(bm, seq)
+    return cached
+
+
+def independent_check(bm: BlockManager, seqs) -> None:
+    "The invariants, computed here without the code under test."
+    free = list(bm.free_blocks)
+    assert len(free) == len(set(free)) == bm.num_free_blocks
+    holders = Counter(b for s in seqs for b in s.block_table)
+    assert not set(holders) & set(free), "a block is both free and in a block table"
+    for block in bm.blocks:
+        assert block.ref_count == holders[block.block_id]
+        assert (block.ref_count == 0) == (block.block_id in set(free))
+    assert bm.num_free_blocks + sum(1 for b in bm.blocks if b.ref_count > 0) == bm.num_blocks
+    for h, block_id in bm.hash_to_block_id.items():
+        assert bm.blocks[block_id].hash == h and len(bm.blocks[block_id].token_ids) == bm.block_size
+
+
+# ---- the hash ---------------------------------------------------------------------------------------------------
+def test_compute_block_hash_is_chained_xxh64_of_int64_token_bytes():
+    tokens = [5, 6, 7, 8]
+    assert compute_block_hash(tokens) == xxhash.xxh64(np.array(tokens, dtype=np.int64).tobytes()).intdigest()
+    prev = compute_block_hash([1, 2, 3, 4])
+    expected = xxhash.xxh64(prev.to_bytes(8, "little") + np.array(tokens, dtype=np.int64).tobytes()).intdigest()
+    assert compute_block_hash(tokens, prev) == expected
+    assert compute_block_hash(tokens, prev) != compute_block_hash(tokens, compute_block_hash([9, 9, 9, 9]))
+
+
+# ---- construction and validation --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(num_blocks=0), ValueError, "num_blocks"),
+    (dict(num_blocks=4, block_size=0), ValueError, "block_size"),
+    (dict(num_blocks=4.0), TypeError, "num_blocks"),
+    (dict(num_blocks=True), TypeError, "num_blocks"),
+    (dict(num_blocks=4, enable_prefix_caching=1), TypeError, "enable_prefix_caching"),
+])
+def test_constructor_rejects_bad_arguments(kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        BlockManager(**kwargs)
+
+
+def test_fresh_manager():
+    bm = BlockManager(8, block_size=4)
+    assert bm.num_free_blocks == 8 and bm.usage == 0.0 and list(bm.free_blocks) == list(range(8))
+    assert all(isinstance(b, Block) and b.ref_count == 0 and b.hash == -1 for b in bm.blocks)
+    assert BlockManager(3).block_size == 16
+
+
+def test_block_size_mismatch_and_bad_token_counts():
+    bm = BlockManager(8, block_size=4)
+    with pytest.raises(ValueError, match="block_size"):
+        bm.allocate_prefix(seq_of(range(5), block_size=8))
+    s = seq_of(range(5))
+    bm.allocate_prefix(s)
+    with pytest.raises(ValueError, match="5 tokens to compute"):
+        bm.allocate(s, 6)
+    with pytest.raises(ValueError, match="tokens to compute"):
+        bm.blocks_needed(s, -1)
+    bm.allocate(s, 5)
+    with pytest.raises(ValueError, match="without blocks"):
+        bm.allocate_prefix(s)
+
+
+# ---- exact block counts -----------------------------------------------------------------------------------------
+def test_block_counts_for_prefill_chunks_and_decode():
+    bm = BlockManager(16, block_size=4)
+    s = seq_of(range(100, 110))                        # 10 tokens -> 3 blocks
+    assert bm.allocate_prefix(s) == 0
+    assert bm.blocks_needed(s, 10) == 3
+    assert bm.blocks_needed(s, 3) == 1 and bm.blocks_needed(s, 4) == 1 and bm.blocks_needed(s, 5) == 2
+    run_step(bm, s, 5)                                  # a chunk of 5 tokens: 2 blocks
+    assert s.block_table == [0, 1] and bm.num_free_blocks == 14
+    assert bm.blocks_needed(s, 3) == 0 and bm.blocks_needed(s, 4) == 1
+    run_step(bm, s, 5)
+    assert s.block_table == [0, 1, 2] and bm.usage == 3 / 16
+    needs = []
+    for t in range(6):                                  # decode: a block when the new token opens one
+        s.append_token(t)
+        needs.append(bm.blocks_needed(s, 1))
+        run_step(bm, s, 1)
+    assert needs == [0, 0, 1, 0, 0, 0]                  # tokens 11, 12, 13 (new block), 14, 15, 16
+    assert len(s.block_table) == 4
+    independent_check(bm, [s])
+
+
+def test_allocate_beyond_free_raises_runtime_error_and_takes_nothing():
+    bm = BlockManager(2, block_size=4)
+    s = seq_of(range(9))
+    bm.allocate_prefix(s)
+    assert not bm.can_allocate(s, 9) and bm.can_allocate(s, 8)
+    with pytest.raises(RuntimeError, match="out of KV-cache blocks"):
+        bm.allocate(s, 9)
+    assert s.block_table == [] and bm.num_free_blocks == 2
+
+
+# ---- the prefix cache -------------------------------------------------------------------------------------------
+def test_shared_prefix_hits_ref_counts_and_counters():
+    bm = BlockManager(16, block_size=4)
+    a = seq_of(range(10))
+    admit(bm, a)                                        # blocks 0, 1 full and cached; block 2 partial
+    assert [bm.blocks[b].hash != -1 for b in a.block_table] == [True, True, False]
+    assert a.block_hashes == [bm.blocks[0].hash, bm.blocks[1].hash]
+    b = seq_of(list(range(9)) + [50, 51, 52])           # shares 9 tokens: 2 full blocks
+    assert bm.num_cache_hit_blocks(b) == 2
+    assert bm.blocks_needed(b, 4) == 1                  # hits on blocks in use cost nothing
+    assert bm.allocate_prefix(b) == 8
+    assert b.block_table == [0, 1] and b.num_computed_tokens == b.num_cached_tokens == 8
+    assert [bm.blocks[i].ref_count for i in (0, 1, 2)] == [2, 2, 1]
+    run_step(bm, b)
+    assert b.block_table == [0, 1, 3]
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (10 + 12, 8)
+    independent_check(bm, [a, b])
+
+
+def test_a_hit_never_covers_the_whole_sequence():
+    bm = BlockManager(16, block_size=4)
+    admit(bm, seq_of(range(12)))                        # 3 full blocks cached
+    assert bm.num_cache_hit_blocks(seq_of(range(12))) == 2
+    assert bm.num_cache_hit_blocks(seq_of(range(13))) == 3
+    assert bm.num_cache_hit_blocks(seq_of(range(9))) == 2
+    assert bm.num_cache_hit_blocks(seq_of(range(8))) == 1
+    one = BlockManager(8, block_size=1)
+    admit(one, seq_of([7, 8, 9], block_size=1))
+    assert one.num_cache_hit_blocks(seq_of([7, 8, 9], block_size=1)) == 2
+
+
+def test_registration_happens_at_commit_not_allocation():
+    bm = BlockManager(16, block_size=4)
+    a = seq_of(range(12))
+    bm.allocate_prefix(a)
+    bm.allocate(a, 12)
+    assert bm.num_cache_hit_blocks(seq_of(range(13))) == 0          # nothing computed yet
+    a.num_computed_tokens = 6
+    bm.commit(a)                                                    # only block 0 is full and computed
+    assert bm.num_cache_hit_blocks(seq_of(range(13))) == 1 and len(a.block_hashes) == 1
+    a.num_computed_tokens = 12
+    bm.commit(a)
+    assert bm.num_cache_hit_blocks(seq_of(range(13))) == 3 and len(a.block_hashes) == 3
+
+
+def test_the_hash_is_chained_a_block_after_a_different_prefix_misses():
+    bm = BlockManager(16, block_size=4)
+    admit(bm, seq_of([1, 2, 3, 4, 9, 9, 9, 9, 5]))
+    assert bm.num_cache_hit_blocks(seq_of([7, 7, 7, 7, 9, 9, 9, 9, 5])) == 0
+    assert bm.num_cache_hit_blocks(seq_of([1, 2, 3, 4, 9, 9, 9, 9, 5])) == 2
+
+
+def test_hash_collision_is_caught_by_the_token_check(monkeypatch):
+    monkeypatch.setattr(bm_module, "compute_block_hash", lambda token_ids, prefix_hash=-1: 42)
+    bm = BlockManager(16, block_size=4)
+    a = seq_of([1, 2, 3, 4, 5])
+    admit(bm, a)
+    assert bm.hash_to_block_id == {42: a.block_table[0]}
+    b = seq_of([6, 7, 8, 9, 5])                          # same (fake) hash, other tokens
+    assert bm.num_cache_hit_blocks(b) == 0 and bm.allocate_prefix(b) == 0
+    run_step(bm, b)
+    assert bm.blocks[b.block_table[0]].hash == -1       # the entry stays with the first block
+    assert bm.num_cache_hit_blocks(seq_of([1, 2, 3, 4, 0])) == 1
+    independent_check(bm, [a, b])
+
+
+def test_twins_computed_in_the_same_step_share_one_cache_entry():
+    bm = BlockManager(16, block_size=4)
+    a, b = seq_of(range(9)), seq_of(range(9))
+    for s in (a, b):
+        bm.allocate_prefix(s)
+        bm.allocate(s, 9)
+    for s in (a, b):
+        s.num_computed_tokens = 9
+        bm.commit(s)
+    assert a.block_hashes == b.block_hashes and len(bm.hash_to_block_id) == 2
+    assert [bm.blocks[x].hash != -1 for x in b.block_table] == [False, False, False]
+    bm.check_invariants([a, b])
+    bm.free(b)
+    assert list(bm.free_blocks)[:3] == [3, 4, 5]        # b's uncached blocks go to the front
+    bm.free(a)
+    independent_check(bm, [])
+
+
+def test_prefix_caching_off():
+    bm = BlockManager(16, block_size=4, enable_prefix_caching=False)
+    a, b = seq_of(range(10)), seq_of(range(10))
+    assert admit(bm, a) == 0 and admit(bm, b) == 0
+    assert bm.hash_to_block_id == {} and a.block_hashes == [] and bm.num_cache_hit_blocks(seq_of(range(10))) == 0
+    assert bm.blocks_needed(seq_of(range(10)), 10) == 3
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (0, 0)
+    assert len(set(a.block_table) | set(b.block_table)) == 6
+
+
+# ---- freeing, reuse order, accounting -----------------------------------------------------------------------------
+def test_free_releases_tail_first_and_keeps_cached_contents():
+    bm = BlockManager(8, block_size=4)
+    a = seq_of(range(14))                                # blocks 0, 1, 2 full (cached), 3 partial
+    admit(bm, a)
+    bm.free(a)
+    assert a.block_table == [] and a.block_hashes == []
+    # partial block 3 (nothing cached) to the front; cached blocks to the back, tail first: 2, 1, 0
+    assert list(bm.free_blocks) == [3, 4, 5, 6, 7, 2, 1, 0]
+    assert len(bm.hash_to_block_id) == 3
+    independent_check(bm, [])
+
+
+def test_fresh_blocks_evict_least_recently_freed_cached_blocks_first():
+    bm = BlockManager(6, block_size=4)
+    a, b = seq_of(range(100, 108)), seq_of(range(200, 208))   # 2 full blocks each, all cached
+    admit(bm, a)
+    admit(bm, b)
+    bm.free(a)
+    bm.free(b)
+    assert list(bm.free_blocks) == [4, 5, 1, 0, 3, 2]
+    c = seq_of(range(300, 312))                                   # 3 fresh blocks: 4, 5, then evicts 1
+    assert bm.num_cache_hit_blocks(c) == 0
+    admit(bm, c)
+    assert c.block_table == [4, 5, 1]
+    assert bm.num_cache_hit_blocks(seq_of(range(100, 109))) == 1  # a's first block survived, its second did not
+    assert bm.num_cache_hit_blocks(seq_of(range(200, 209))) == 2
+    independent_check(bm, [c])
+
+
+def test_hit_on_free_cached_block_consumes_it_hit_on_used_block_does_not():
+    bm = BlockManager(8, block_size=4)
+    a, b = seq_of(range(13)), seq_of(list(range(8)) + [90, 91, 92, 93, 94])
+    admit(bm, a)                                         # a: blocks 0, 1, 2 (cached), 3
+    admit(bm, b)                                         # b: shares 0, 1; fresh 4, 5
+    bm.free(a)                                           # 2 is free but cached; 0 and 1 still used by b
+    c = seq_of(list(range(13)) + [77])                   # hits 0, 1 (in use) and 2 (free, cached)
+    assert bm.num_cache_hit_blocks(c) == 3
+    free_before = bm.num_free_blocks
+    assert bm.blocks_needed(c, 2) == 1 + 1               # block 2 leaves the free list, plus one fresh block
+    assert bm.blocks_needed(c, 0) == 1 + 0               # just taking the prefix: block 2
+    bm.allocate_prefix(c)
+    assert c.block_table == [0, 1, 2] and 2 not in bm.free_blocks
+    assert [bm.blocks[i].ref_count for i in (0, 1, 2)] == [2, 2, 1]
+    bm.allocate(c, 2)
+    assert free_before - bm.num_free_blocks == 2
+    independent_check(bm, [b, c])
+
+
+def test_reset_prefix_cache_drops_only_free_blocks():
+    bm = BlockManager(8, block_size=4)
+    a, b = seq_of(range(9)), seq_of(range(50, 59))
+    admit(bm, a)
+    admit(bm, b)
+    bm.free(a)
+    assert bm.reset_prefix_cache() == 2
+    assert bm.num_cache_hit_blocks(seq_of(range(9))) == 0
+    assert bm.num_cache_hit_blocks(seq_of(range(50, 59))) == 2         # in use: kept
+    assert all(bm.blocks[x].hash == -1 for x in bm.free_blocks)
+    independent_check(bm, [b])
+
+
+def test_check_invariants_reports_corruption():
+    bm = BlockManager(4, block_size=4)
+    s = seq_of(range(6))
+    admit(bm, s)
+    bm.check_invariants([s])
+    bm.blocks[s.block_table[0]].ref_count = 2
+    with pytest.raises(RuntimeError, match="ref_count 2 but 1 block tables"):
+        bm.check_invariants([s])
+    bm.blocks[s.block_table[0]].ref_count = 0
+    with pytest.raises(RuntimeError, match="not in the free list"):
+        bm.check_invariants()
+
+
+def test_free_block_queue_order_and_removal():
+    q = FreeBlockQueue(range(4))
+    assert [q.pop(), q.pop()] == [0, 1]
+    q.push(1, cached=True)
+    q.push(0, cached=False)
+    assert list(q) == [0, 2, 3, 1] and len(q) == 4 and 1 in q
+    q.remove(1)
+    assert list(q) == [0, 2, 3] and 1 not in q
+
+
+# ---- property test: random operations, exact accounting --------------------------------------------------------
+@st.composite
+def operations(draw):
+    block_size = draw(st.sampled_from([1, 2, 3, 4]))
+    num_blocks = draw(st.integers(2, 24))
+    prefixes = [draw(st.lists(st.integers(0, 5), min_size=1, max_size=16)) for _ in range(2)]
+    ops = draw(st.lists(st.tuples(st.sampled_from(["new", "grow", "free", "reset"]), st.integers(0, 99),
+                                  st.lists(st.integers(0, 5), max_size=6), st.integers(1, 12)), max_size=40))
+    return block_size, num_blocks, prefixes, ops, draw(st.booleans())
+
+
+@settings(max_examples=200, deadline=None)
+@given(operations())
+def test_random_operations_keep_invariants_and_exact_accounting(case):
+    block_size, num_blocks, prefixes, ops, caching = case
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+    live: list[Sequence] = []
+    for op, pick, tokens, n in ops:
+        if op == "new":
+            prefix = prefixes[pick % 2][: pick % 17]
+            s = seq_of(prefix + tokens or [1], block_size)
+            hits = bm.num_cache_hit_blocks(s)
+            chunk = min(n, s.num_tokens - hits * block_size)
+            need, free = bm.blocks_needed(s, chunk), bm.num_free_blocks
+            if need > free:
+                continue
+            assert bm.allocate_prefix(s) == hits * block_size
+            bm.allocate(s, chunk)
+            assert free - bm.num_free_blocks == need
+            s.num_computed_tokens += chunk
+            bm.commit(s)
+            live.append(s)
+        elif op == "grow" and live:
+            s = live[pick % len(live)]
+            if s.num_uncomputed_tokens == 0:
+                s.append_token(pick % 6)
+            chunk = min(n, s.num_uncomputed_tokens)
+            need, free = bm.blocks_needed(s, chunk), bm.num_free_blocks
+            if need > free:
+                assert not bm.can_allocate(s, chunk)
+                continue
+            bm.allocate(s, chunk)
+            assert free - bm.num_free_blocks == need
+            assert len(s.block_table) * block_size >= s.num_computed_tokens + chunk
+            s.num_computed_tokens += chunk
+            bm.commit(s)
+        elif op == "free" and live:
+            bm.free(live.pop(pick % len(live)))
+        elif op == "reset":
+            bm.reset_prefix_cache()
+        independent_check(bm, live)
+        bm.check_invariants(live)
+        for s in live:   # a cached block's stored tokens are the sequence's tokens there
+            for i, h in enumerate(s.block_hashes):
+                block = bm.blocks[s.block_table[i]]
+                assert block.hash in (-1, h)
+                if block.hash == h:
+                    assert block.token_ids == s.block(i)
+    for s in live:
+        bm.free(s)
+    assert bm.num_free_blocks == num_blocks and bm.usage == 0
+    independent_check(bm, [])
