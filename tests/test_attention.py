@@ -1,7 +1,8 @@
 """The attention context, the PyTorch reference (proved against dense causal attention) and the `Attention` layer.
 
-The layer's Triton backend runs in Triton's interpreter on machines without CUDA (TRITON_INTERPRET is set before any
-kernel module is imported; see tests/test_kernels.py). flash-attn tests skip unless flash_attn is importable on a GPU.
+The layer runs on CUDA tensors where there is a GPU; without one its Triton backend runs in Triton's interpreter
+(TRITON_INTERPRET is set before any kernel module is imported; see tests/test_kernels.py). flash-attn tests skip
+unless flash_attn is importable on a GPU.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available():  # Triton decides when a kernel is defined: before minivllm.kernels is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -21,6 +22,7 @@ from minivllm.layers.attention import BACKEND_ENV, Attention, flash_attn_availab
 from minivllm.utils.context import Context, get_context, make_context, reset_context, set_context  # noqa: E402
 
 TOL = dict(atol=2e-5, rtol=2e-5)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True)
@@ -159,17 +161,18 @@ def test_select_backend(monkeypatch):
     assert select_backend("cpu", 16, "torch") == "torch"
     with pytest.raises(ValueError, match="unknown attention backend 'fast'.*torch, triton, flash_attn"):
         select_backend("cpu", 16, "fast")
-    with pytest.raises(ValueError, match="'flash_attn' is not available.*choose one of"):
+    with pytest.raises(ValueError, match="'flash_attn' is not available here.*choices: torch, triton, flash_attn"):
         select_backend("cpu", 16, "flash_attn")
     monkeypatch.setenv(BACKEND_ENV, "nope")
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         select_backend("cpu")
     monkeypatch.setenv(BACKEND_ENV, "torch")
     assert select_backend("cpu") == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_backend("cpu", 16, "triton") == "triton"   # for tests: Triton's interpreter
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="need a CUDA device"):
-            select_backend("cpu", 16, "triton")
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        select_backend("cpu", 16, "triton")
 
 
 @pytest.mark.gpu
@@ -205,36 +208,37 @@ def test_attention_rejects_bad_arguments():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_attention_layer_mixed_step(backend, block_size):
-    step = Step(MIXED["q_lens"], MIXED["ctx_lens"], block_size, heads=4, kv_heads=2, seed=block_size)
+    step = Step(MIXED["q_lens"], MIXED["ctx_lens"], block_size, heads=4, kv_heads=2, seed=block_size, device=DEVICE)
     attn = Attention(4, 8, step.scale, 2, backend=backend)
     attn.k_cache, attn.v_cache = step.k_cache, step.v_cache
     set_context(step.ctx)
     out = attn(step.q, step.k, step.v)
-    torch.testing.assert_close(out, step.dense(), **TOL)
+    torch.testing.assert_close(out.cpu(), step.dense(), **TOL)
     for i, (_, k, _) in enumerate(step.full):   # every sequence's whole K is now in the cache
-        torch.testing.assert_close(gather_kv(attn.k_cache, step.ctx.block_tables[i], step.ctx_lens[i]), k)
+        torch.testing.assert_close(gather_kv(attn.k_cache, step.ctx.block_tables[i], step.ctx_lens[i]).cpu(), k)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_attention_layer_decode_step_without_cu_seqlens_q(backend, monkeypatch):
     "A decode-only context may give only slot_mapping, context_lens and block_tables (as nano-vllm's runner does)."
     monkeypatch.setenv(BACKEND_ENV, backend)
-    step = Step([1, 1, 1], [5, 17, 1], 4, heads=8, kv_heads=2, seed=9)
+    step = Step([1, 1, 1], [5, 17, 1], 4, heads=8, kv_heads=2, seed=9, device=DEVICE)
     attn = Attention(8, 8, step.scale, 2)
     attn.k_cache, attn.v_cache = step.k_cache, step.v_cache
     set_context(True, slot_mapping=step.ctx.slot_mapping, context_lens=step.ctx.context_lens,
                 block_tables=step.ctx.block_tables)
-    torch.testing.assert_close(attn(step.q, step.k, step.v), step.dense(), **TOL)
+    torch.testing.assert_close(attn(step.q, step.k, step.v).cpu(), step.dense(), **TOL)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_attention_layer_without_cache(backend):
-    step = Step([7, 3, 12], [7, 3, 12], 4, heads=4, kv_heads=1, seed=11)
+    step = Step([7, 3, 12], [7, 3, 12], 4, heads=4, kv_heads=1, seed=11, device=DEVICE)
     attn = Attention(4, 8, step.scale, 1, backend=backend)
-    torch.testing.assert_close(attn(*step.full[2]), dense_causal(*step.full[2], step.scale), **TOL)  # no context
+    whole = [t.to(DEVICE) for t in step.full[2]]
+    torch.testing.assert_close(attn(*whole).cpu(), dense_causal(*step.full[2], step.scale), **TOL)  # no context
     set_context(False, cu_seqlens_q=step.ctx.cu_seqlens_q, cu_seqlens_k=step.ctx.cu_seqlens_k,
                 max_seqlen_q=12, max_seqlen_k=12)
-    torch.testing.assert_close(attn(step.q, step.k, step.v), step.dense(), **TOL)
+    torch.testing.assert_close(attn(step.q, step.k, step.v).cpu(), step.dense(), **TOL)
 
 
 def test_attention_is_an_nn_module_without_cache_state():

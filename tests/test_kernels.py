@@ -1,12 +1,14 @@
 """Triton kernels of notebook 05 against the PyTorch reference.
 
-On a machine without CUDA the kernels run in Triton's interpreter: Triton reads TRITON_INTERPRET when a kernel is
-*defined*, so it is set here, before `minivllm.kernels.*` is imported (pytest imports every test module before running
-any test; the package imports its kernel modules only when a Triton backend is used).
-CPU runs use tiny shapes in float32 (interpreter errors ~1e-7, tolerance 2e-5) plus one float16 and one bfloat16 case.
-GPU tests (`-m gpu`) use Qwen3-0.6B's shapes in bfloat16: tolerance 2e-2 absolute + 2e-2 relative (bfloat16 keeps 8
-significant bits: one rounding of a value near 1 is up to 4e-3, and the kernels round the softmax weights and the
-output to bfloat16).
+Without CUDA the kernels run in Triton's interpreter (numpy) on CPU tensors. Triton reads TRITON_INTERPRET when a
+kernel is *defined*, so it is set below before `minivllm.kernels.*` is imported (pytest imports every test module
+before running any test, and the package imports its kernel modules only when a Triton backend is used). With CUDA,
+the same small-shape tests run the compiled kernels on CUDA tensors. Small shapes use float32 (errors ~1e-7,
+tolerance 2e-5) plus float16 and bfloat16 cases.
+GPU tests (`python -m pytest tests/test_kernels.py -m gpu`) use Qwen3-0.6B's shapes (16 query heads, 8 KV heads,
+head_dim 128) in bfloat16, block sizes 16 and 256, contexts up to 8k, batch up to 256: tolerance 2e-2 absolute +
+2e-2 relative (bfloat16 keeps 8 significant bits: one rounding of a value near 1 is up to 4e-3, and the kernels round
+the softmax weights and the output to bfloat16).
 """
 from __future__ import annotations
 
@@ -14,15 +16,14 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available():  # Triton decides when a kernel is defined: before minivllm.kernels is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
 from minivllm.kernels.paged_decode import MAX_SPLITS, choose_num_splits, paged_decode_attention  # noqa: E402
 from minivllm.kernels.paged_prefill import paged_prefill_attention, varlen_prefill_attention  # noqa: E402
-from minivllm.kernels.reference import (paged_attention_ref, store_kvcache_ref,  # noqa: E402
-                                        varlen_attention_ref)
+from minivllm.kernels.reference import paged_attention_ref, store_kvcache_ref, varlen_attention_ref  # noqa: E402
 from minivllm.kernels.store_kvcache import store_kvcache  # noqa: E402
 from minivllm.utils.context import make_context  # noqa: E402
 
@@ -74,6 +75,13 @@ def test_store_kvcache_matches_reference_and_skips_negative_slots(block_size):
     untouched[slots[slots >= 0].cpu()] = False
     assert torch.equal(caches[1].view(-1, heads, dim)[untouched.to(DEVICE)],
                        want[1].view(-1, heads, dim)[untouched.to(DEVICE)])
+
+
+def test_kernels_reject_cpu_tensors_when_compiled(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    k, cache = torch.zeros(3, 2, 8), torch.zeros(4, 4, 2, 8)
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        store_kvcache(k, k, cache, cache, torch.zeros(3, dtype=torch.long))
 
 
 def test_store_kvcache_rejects_mismatches():
