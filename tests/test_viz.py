@@ -53,10 +53,16 @@ def test_draw_kv_cache_and_fragmentation_save_pictures(tmp_path):
     snap = take_snapshot(bm, [a, b], "shared")
     fig = draw_kv_cache(snap, path=str(tmp_path / "kv.png"))
     assert (tmp_path / "kv.png").stat().st_size > 0
-    assert "2/8" not in fig.axes[0].get_title() and "4/8 blocks in use, 2 cached" in fig.axes[0].get_title()
+    assert "4/8 blocks in use (2 sequences), 2 cached" in fig.axes[0].get_title()
+    assert not fig.axes[0].images
     fig, axes = plt.subplots(1, 2)
     draw_kv_cache(snap, ax=axes[0], blocks_per_row=4)
     draw_kv_cache(KVSnapshot("empty", 4, [0] * 8, [False] * 8), ax=axes[1])
+    fig = draw_kv_cache(snap, compact=True)
+    assert len(fig.axes[0].images) == 1                  # the compact pool is one image
+    big = KVSnapshot("big", 16, [1] * 300 + [0] * 700, [False] * 1000, tables={0: list(range(300))},
+                     num_tokens={0: 4800})
+    assert len(draw_kv_cache(big).axes[0].images) == 1   # compact automatically above 256 blocks
     fig = draw_fragmentation([10, 100, 33], max_model_len=128, block_size=16, path=str(tmp_path / "frag.png"))
     assert "reservation wastes" in fig.axes[0].get_title()
 
