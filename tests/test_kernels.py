@@ -21,6 +21,7 @@ if not torch.cuda.is_available():  # Triton decides when a kernel is defined: be
 
 import pytest  # noqa: E402
 
+from minivllm.kernels.bench import bench_copy, bench_decode  # noqa: E402
 from minivllm.kernels.paged_decode import MAX_SPLITS, choose_num_splits, paged_decode_attention  # noqa: E402
 from minivllm.kernels.paged_prefill import paged_prefill_attention, varlen_prefill_attention  # noqa: E402
 from minivllm.kernels.reference import paged_attention_ref, store_kvcache_ref, varlen_attention_ref  # noqa: E402
@@ -199,6 +200,13 @@ def test_prefill_rejects_inconsistent_metadata():
         paged_prefill_attention(q, kc, vc, ctx.cu_seqlens_q, ctx.context_lens[:1], ctx.block_tables, 0.5)
     with pytest.raises(ValueError, match="cu_seqlens_k"):
         varlen_prefill_attention(q, q[:, :2], q[:, :2], ctx.cu_seqlens_q, ctx.cu_seqlens_q[:2], 0.5)
+
+
+def test_benchmarks_need_cuda():
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        bench_decode(batch=2, context=16, device="cpu")
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        bench_copy(1 << 20, device="cpu")
 
 
 # ---------------------------------------------------------------- GPU, real sizes (Qwen3-0.6B: 16 heads, 8 KV heads, 128)
