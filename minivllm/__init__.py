@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = []
 
-# %% ../notebooks/09_llm_engine.ipynb #06feb206
+# %% ../notebooks/09_llm_engine.ipynb #8c300487
 from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
