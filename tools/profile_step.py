@@ -1,0 +1,69 @@
+"""Where does a step's time go? torch.profiler over prefill and decode steps of minivllm on a GPU.
+
+    python tools/profile_step.py [--model PATH] [--batch 256] [--context 1024] [--steps 8] [--eager]
+
+Builds an LLM on the model (default: Qwen3-0.6B with random weights, see minivllm.bench), admits `--batch` requests
+of `--context` random prompt tokens, runs until every prompt is prefilled, then profiles `--steps` decode steps.
+Prints the top kernels by GPU time, the GPU time per step, and the host (CPU) time of the engine's Python per step.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from minivllm import LLM, SamplingParams
+from minivllm.bench import random_qwen3_folder
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--rows", type=int, default=25)
+    args = ap.parse_args()
+    model = args.model or random_qwen3_folder("/tmp/minivllm-qwen3-0.6b-random")
+    llm = LLM(model, skip_tokenizer_init=True, enforce_eager=args.eager, max_model_len=4096)
+    engine = llm.llm_engine
+    random.seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps * 4 + 64, ignore_eos=True)
+    for _ in range(args.batch):
+        engine.add_request([random.randint(0, 10000) for _ in range(args.context)], params)
+    prefill_steps, start = 0, time.perf_counter()
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running + list(engine.scheduler.waiting)):
+        engine.step()
+        prefill_steps += 1
+    torch.cuda.synchronize()
+    print(f"prefill of {args.batch} x {args.context} tokens: {prefill_steps} steps, {time.perf_counter() - start:.3f} s")
+    for _ in range(4):  # warm decode
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    waits = []
+    for _ in range(args.steps):
+        engine.step()
+        waits.append(engine.model_runner.last_wait_s)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / args.steps
+    print(f"decode at batch {len(engine.scheduler.running)}: {wall * 1e3:.2f} ms/step wall, "
+          f"host {(wall - sum(waits) / len(waits)) * 1e3:.2f} ms/step (wall minus the wait for the GPU)")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    gpu_total = sum(e.self_device_time_total for e in events) / args.steps
+    print(f"GPU time per decode step (sum of kernels): {gpu_total / 1e3:.2f} ms")
+    print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
