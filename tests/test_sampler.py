@@ -48,7 +48,7 @@ def hf_filtered(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
 
 def our_filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     "The Sampler's pipeline up to the softmax, batched (the same calls as Sampler.forward)."
-    s = SamplingTensors.from_params(params)
+    s = SamplingTensors.from_params(params, logits.device)
     x = logits.float() / s.temperatures.unsqueeze(1)
     if s.top_p is not None:
         x = apply_top_k_top_p(x, s.top_k, s.top_p)
