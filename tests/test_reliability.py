@@ -41,9 +41,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 GOOD = ["def fibonacci(n):\n    ", [5, 6, 7, 8], {"prompt": "import os\n"}, {"prompt_token_ids": [9, 10, 11]}]
 
 
+def cpu_llm(model: str = TINY_MODEL_PATH, **kwargs) -> LLM:
+    "An LLM on the CPU, on a GPU machine too: these tests are about the engine's logic; float32 CPU runs are exact."
+    return LLM(model, **{"device": "cpu", **kwargs})
+
+
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(TINY_MODEL_PATH, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, num_kvcache_blocks=32) as llm:
+    with cpu_llm(TINY_MODEL_PATH, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, num_kvcache_blocks=32) as llm:
         yield llm
 
 
@@ -240,14 +245,14 @@ def a_weight(tensors: dict, part: str = "q_proj") -> str:
 
 def test_model_path_that_does_not_exist(tmp_path):
     with pytest.raises(ValueError, match="model path '.*nowhere' is not a folder"):
-        LLM(str(tmp_path / "nowhere"))
+        cpu_llm(str(tmp_path / "nowhere"))
 
 
 def test_folder_without_config(tmp_path):
     folder = model_copy(tmp_path)
     os.remove(os.path.join(folder, "config.json"))
     with pytest.raises(ValueError, match="has no config.json: not a Hugging Face model folder"):
-        LLM(folder)
+        cpu_llm(folder)
 
 
 def test_config_that_is_not_json(tmp_path):
@@ -255,7 +260,7 @@ def test_config_that_is_not_json(tmp_path):
     with open(os.path.join(folder, "config.json"), "w") as f:
         f.write("{not json")
     with pytest.raises(ValueError, match="config.json in .* is not a JSON object"):
-        LLM(folder)
+        cpu_llm(folder)
 
 
 def test_folder_of_another_architecture(tmp_path):
@@ -265,7 +270,7 @@ def test_folder_of_another_architecture(tmp_path):
     config.update(model_type="llama", architectures=["LlamaForCausalLM"])
     json.dump(config, open(path, "w"))
     with pytest.raises(ValueError, match="holds a model of type 'llama'; minivllm runs qwen3 models"):
-        LLM(folder)
+        cpu_llm(folder)
 
 
 def test_missing_tensor(tmp_path):
@@ -273,7 +278,7 @@ def test_missing_tensor(tmp_path):
     removed = []
     edit_weights(folder, lambda t: removed.append(a_weight(t)) or t.pop(removed[0]))
     with pytest.raises(ValueError, match=f"the checkpoint is missing 1 tensor\\(s\\) the model needs: {removed[0]}"):
-        LLM(folder)
+        cpu_llm(folder)
 
 
 def test_tensor_of_the_wrong_shape(tmp_path):
@@ -286,7 +291,7 @@ def test_tensor_of_the_wrong_shape(tmp_path):
     rows, cols = load_file(os.path.join(TINY_MODEL_PATH, "model.safetensors"))[name].shape
     with pytest.raises(ValueError, match=rf"tensor {name}: expected shape \[{rows}, {cols}\], found \[{rows - 1}, "
                                          rf"{cols}\]"):
-        LLM(folder)
+        cpu_llm(folder)
 
 
 def test_extra_tensor(tmp_path):
@@ -294,7 +299,7 @@ def test_extra_tensor(tmp_path):
     edit_weights(folder, lambda t: t.update({"model.layers.0.mlp.extra_proj.weight": torch.zeros(2, 2)}))
     with pytest.raises(ValueError, match="unexpected tensor model.layers.0.mlp.extra_proj.weight in the checkpoint: "
                                          "Qwen3ForCausalLM has no such parameter"):
-        LLM(folder)
+        cpu_llm(folder)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "header cut", "zeros", "no file"])
@@ -305,12 +310,12 @@ def test_corrupt_safetensors(tmp_path, damage):
     if damage == "no file":
         os.remove(path)
         with pytest.raises(ValueError, match="no \\*.safetensors files in"):
-            LLM(folder)
+            cpu_llm(folder)
         return
     damaged = {"truncated": data[:len(data) // 2], "header cut": data[:5], "zeros": bytes(100)}[damage]
     open(path, "wb").write(damaged)
     with pytest.raises(ValueError, match="cannot read model.safetensors: it is not a complete safetensors file"):
-        LLM(folder)
+        cpu_llm(folder)
 
 
 def test_missing_tokenizer_says_so_and_token_ids_still_work(tmp_path):
@@ -319,8 +324,8 @@ def test_missing_tokenizer_says_so_and_token_ids_still_work(tmp_path):
         os.remove(os.path.join(folder, name))
     with pytest.raises(ValueError, match="no tokenizer in .*: none of tokenizer.json, tokenizer.model, vocab.json.*"
                                          "or pass skip_tokenizer_init=True and give prompts as token ids"):
-        LLM(folder)
-    with LLM(folder, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN) as llm:
+        cpu_llm(folder)
+    with cpu_llm(folder, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN) as llm:
         out = llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].text == "" and out.prompt is None
         with pytest.raises(ValueError, match="prompt 0 is text, but the engine has no tokenizer"):
@@ -338,7 +343,7 @@ def test_tokenizer_of_another_model(tmp_path):
     config["vocab_size"] = 1000
     json.dump(config, open(path, "w"))
     with pytest.raises(ValueError, match=f"has {VOCAB} tokens, the model only 1000: they do not belong together"):
-        LLM(folder)
+        cpu_llm(folder)
 
 
 def test_kv_cache_too_small_says_how_much_is_needed():
@@ -347,10 +352,10 @@ def test_kv_cache_too_small_says_how_much_is_needed():
     need = f"needs {blocks_per_seq} blocks \\({blocks_per_seq * block_bytes / 2**20:.1f} MiB\\)"
     with pytest.raises(ValueError, match="the KV cache holds 2 blocks of 16 tokens = 32 tokens, but one sequence of "
                                          f"max_model_len=256 tokens {need}"):
-        LLM(TINY_MODEL_PATH, max_model_len=256, num_kvcache_blocks=2)
+        cpu_llm(TINY_MODEL_PATH, max_model_len=256, num_kvcache_blocks=2)
     space = (blocks_per_seq - 0.5) * block_bytes / 2**30   # half a block short of one sequence
     with pytest.raises(ValueError, match=f"holds {blocks_per_seq - 1} blocks .* {need}. Give the cache more memory"):
-        LLM(TINY_MODEL_PATH, max_model_len=256, cpu_kvcache_space_gib=space)
+        cpu_llm(TINY_MODEL_PATH, max_model_len=256, cpu_kvcache_space_gib=space)
 
 
 def test_dtype_the_device_cannot_run(monkeypatch):
@@ -363,7 +368,7 @@ def test_dtype_the_device_cannot_run(monkeypatch):
         return real_ones(*args, dtype=dtype, **kwargs)
     monkeypatch.setattr(torch, "ones", ones)
     with pytest.raises(ValueError, match="the cpu device cannot run dtype float16: .*not implemented for 'Half'"):
-        LLM(TINY_MODEL_PATH, dtype="float16")
+        cpu_llm(TINY_MODEL_PATH, dtype="float16")
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
@@ -378,7 +383,7 @@ def test_dtype_the_device_cannot_run(monkeypatch):
 ])
 def test_bad_engine_arguments(kwargs, error, message):
     with pytest.raises(error, match=message):
-        LLM(TINY_MODEL_PATH, **kwargs)
+        cpu_llm(TINY_MODEL_PATH, **kwargs)
 
 
 @pytest.mark.gpu
@@ -396,10 +401,10 @@ def test_small_kv_cache_preempts_and_gives_the_same_tokens():
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.5)
               for _ in prompts]
     common = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=256)
-    with LLM(TINY_MODEL_PATH, num_kvcache_blocks=256, **common) as roomy:
+    with cpu_llm(TINY_MODEL_PATH, num_kvcache_blocks=256, **common) as roomy:
         reference = token_ids(roomy.generate(prompts, params, use_tqdm=False))
         assert roomy.llm_engine.stats.num_preemptions == 0
-    with LLM(TINY_MODEL_PATH, num_kvcache_blocks=3 * MAX_MODEL_LEN // 16, **common) as small:
+    with cpu_llm(TINY_MODEL_PATH, num_kvcache_blocks=3 * MAX_MODEL_LEN // 16, **common) as small:
         outputs = small.generate(prompts, params, use_tqdm=False)
         engine = small.llm_engine
         assert token_ids(outputs) == reference
@@ -409,36 +414,46 @@ def test_small_kv_cache_preempts_and_gives_the_same_tokens():
 
 
 # ---- 4. faults inside a step --------------------------------------------------------------------------------------
-def fail_once(monkeypatch, obj, name: str, exc: BaseException, after: int = 2):
-    "Make `obj.name` raise `exc` on its call number `after + 1` (only then)."
+def runner_step(runner) -> str:
+    "The runner method the engine calls once per step: `collect` (when steps are launched, then collected) or `run`."
+    return "collect" if callable(getattr(runner, "collect", None)) else "run"
+
+
+def fail_once(monkeypatch, obj, name: str, exc: type[BaseException], after: int = 2):
+    "Make `obj.name` raise a new `exc` on its call number `after + 1` (only then)."
     real, calls = getattr(obj, name), [0]
 
     def flaky(*args, **kwargs):
         calls[0] += 1
         if calls[0] == after + 1:
-            raise exc
+            raise exc("injected fault")
         return real(*args, **kwargs)
     monkeypatch.setattr(obj, name, flaky)
     return calls
 
 
-@pytest.mark.parametrize("exc", [RuntimeError("injected fault"), KeyboardInterrupt()])
-@pytest.mark.parametrize("where", ["runner.run", "model.forward", "scheduler.postprocess"])
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("where", ["runner", "model.forward", "scheduler.postprocess"])
 def test_fault_in_a_step_leaves_the_engine_usable(llm, expected, monkeypatch, exc, where):
     engine = llm.llm_engine
-    owner = {"runner.run": engine.model_runner, "model.forward": engine.model_runner.model,
-             "scheduler.postprocess": engine.scheduler}[where]
-    calls = fail_once(monkeypatch, owner, where.split(".")[1], exc)
+    owner, name = {"runner": (engine.model_runner, runner_step(engine.model_runner)),
+                   "model.forward": (engine.model_runner.model, "forward"),
+                   "scheduler.postprocess": (engine.scheduler, "postprocess")}[where]
+    calls = fail_once(monkeypatch, owner, name, exc)
     seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=8)   # a request with its own generator
-    with pytest.raises(type(exc)):
+    first_seq_id = next(Sequence.counter)
+    with pytest.raises(exc, match="injected fault"):
         llm.generate(GOOD + [[1, 2, 3]], [GREEDY] * len(GOOD) + [seeded], use_tqdm=False)
     assert calls[0] == 3
     assert_clean(engine)
+    gc.collect()   # and nothing holds the aborted sequences any more
+    assert not [o for o in gc.get_objects() if isinstance(o, Sequence) and o.seq_id >= first_seq_id]
     assert_works(llm, expected)
 
 
 def test_fault_in_a_stream_leaves_the_engine_usable(llm, expected, monkeypatch):
-    fail_once(monkeypatch, llm.llm_engine.model_runner, "run", RuntimeError("injected fault"))
+    runner = llm.llm_engine.model_runner
+    fail_once(monkeypatch, runner, runner_step(runner), RuntimeError)
     with pytest.raises(RuntimeError, match="injected fault"):
         list(llm.stream("def f():", SamplingParams(temperature=0, max_tokens=10)))
     assert_clean(llm.llm_engine)
@@ -469,7 +484,7 @@ def test_stream_never_shows_part_of_a_stop_string(llm, stop):
 def test_step_can_be_retried_after_a_fault(llm, expected, monkeypatch):
     "Driving LLMEngine by hand: a failed step keeps the requests; the next step() carries on from where it was."
     engine = llm.llm_engine
-    fail_once(monkeypatch, engine.model_runner, "run", RuntimeError("injected fault"), after=3)
+    fail_once(monkeypatch, engine.model_runner, runner_step(engine.model_runner), RuntimeError, after=3)
     ids = [engine.add_request(p, GREEDY) for p in GOOD]
     done, faults = {}, 0
     while engine.has_unfinished_requests():
@@ -486,7 +501,7 @@ def test_fault_keeps_the_callers_own_requests(llm, expected, monkeypatch):
     "generate() aborts only its own requests; one queued with add_request stays, and can still finish."
     engine = llm.llm_engine
     mine = engine.add_request([1, 2, 3], GREEDY, request_id="mine")
-    fail_once(monkeypatch, engine.model_runner, "run", KeyboardInterrupt())
+    fail_once(monkeypatch, engine.model_runner, runner_step(engine.model_runner), KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(GOOD, GREEDY, use_tqdm=False)
     assert list(engine.requests) == [mine]
@@ -505,7 +520,7 @@ def model_refs(llm: LLM) -> tuple[weakref.ref, weakref.ref]:
 
 
 def test_close_releases_model_and_kv_cache():
-    llm = LLM(TINY_MODEL_PATH, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=16)
+    llm = cpu_llm(TINY_MODEL_PATH, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=16)
     llm.generate(GOOD, GREEDY, use_tqdm=False)
     model, kv_cache = model_refs(llm)
     llm.close()
@@ -517,12 +532,12 @@ def test_close_releases_model_and_kv_cache():
 
 
 def test_context_manager_and_del_release_the_model():
-    with LLM(TINY_MODEL_PATH, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=16) as llm:
+    with cpu_llm(TINY_MODEL_PATH, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=16) as llm:
         llm.generate(GOOD, GREEDY, use_tqdm=False)
         refs = model_refs(llm)
     gc.collect()
     assert all(r() is None for r in refs) and llm.llm_engine is None
-    llm = LLM(TINY_MODEL_PATH, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=16)
+    llm = cpu_llm(TINY_MODEL_PATH, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=16)
     llm.generate(GOOD, GREEDY, use_tqdm=False)
     refs = model_refs(llm)
     del llm
@@ -534,7 +549,7 @@ def test_close_returns_the_kv_cache_memory_to_the_system():
     "RSS of this process: a 256 MiB KV cache, touched, then closed: the memory goes back."
     rss = lambda: psutil.Process().memory_info().rss
     size_gib = 0.25
-    llm = LLM(TINY_MODEL_PATH, max_model_len=256, cpu_kvcache_space_gib=size_gib)
+    llm = cpu_llm(TINY_MODEL_PATH, max_model_len=256, cpu_kvcache_space_gib=size_gib)
     kv = llm.llm_engine.model_runner.kv_cache
     assert kv.numel() * kv.element_size() == pytest.approx(size_gib * 2**30, rel=0.01)
     kv.fill_(0)   # on a CPU the cache's pages are only real once written
@@ -558,7 +573,7 @@ def test_failed_construction_leaves_nothing_behind(monkeypatch):
     monkeypatch.setattr(llm_engine, "Scheduler", BrokenScheduler)
     monkeypatch.setattr(llm_engine.ModelRunner, "close", lambda self: closed.append(self) or real_close(self))
     with pytest.raises(ValueError, match="broken scheduler"):
-        LLM(TINY_MODEL_PATH, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=16)
+        cpu_llm(TINY_MODEL_PATH, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=16)
     assert len(closed) == 1 and closed[0].model is None and closed[0].kv_cache is None
 
 
