@@ -1,5 +1,8 @@
 """The attention context, the PyTorch reference (proved against dense causal attention) and the `Attention` layer.
 
+The batched CPU implementation of the `torch` backend (kernels/torch_attention.py) is proved equal to the reference on
+mixed batches (decode rows, prefill chunks over cached prefixes, fresh prompts), with one and many decode groups.
+
 The layer runs on CUDA tensors where there is a GPU; without one its Triton backend runs in Triton's interpreter
 (TRITON_INTERPRET is set before any kernel module is imported; see tests/test_kernels.py). flash-attn tests skip
 unless flash_attn is importable on a GPU.
@@ -15,9 +18,14 @@ if not torch.cuda.is_available():  # Triton decides when a kernel is defined: be
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from minivllm.kernels.reference import (causal_attention_ref, gather_kv, paged_attention_ref,  # noqa: E402
                                         store_kvcache_ref, varlen_attention_ref)
+from minivllm.kernels.torch_attention import (causal_attention_sdpa, decode_groups, gather_padded_kv,  # noqa: E402
+                                              paged_attention_torch, paged_decode_torch, store_kvcache_torch,
+                                              varlen_attention_torch)
 from minivllm.layers.attention import BACKEND_ENV, Attention, flash_attn_available, select_backend  # noqa: E402
 from minivllm.utils.context import Context, get_context, make_context, reset_context, set_context  # noqa: E402
 
@@ -151,6 +159,137 @@ def test_varlen_reference_matches_dense():
     starts = [0, 4, 5]
     want = torch.cat([dense_causal(*(t[s:s + n] for t in qkv), 0.35) for s, n in zip(starts, lens)])
     torch.testing.assert_close(out, want, **TOL)
+
+
+# ---------------------------------------------------------------- the batched torch backend vs the reference
+
+def ref_of(step, q=None):
+    c = step.ctx
+    return paged_attention_ref(step.q if q is None else q, step.k_cache, step.v_cache, c.cu_seqlens_q, c.context_lens,
+                               c.block_tables, step.scale)
+
+
+def test_decode_groups_cut_sorted_lengths_by_padded_size():
+    assert decode_groups([], 4, 12) == []
+    assert decode_groups([7, 8, 10], 4, 12) == [(0, 1), (1, 2), (2, 3)]   # 2 x 8 = 16 > 12 already
+    assert decode_groups([7, 8, 10], 4, 64) == [(0, 3)]                    # 3 x 12 = 36 <= 64
+    assert decode_groups([1, 2, 3, 4, 5], 4, 8) == [(0, 2), (2, 4), (4, 5)]   # pairs of one block each
+    assert decode_groups([3, 100], 16, 32) == [(0, 1), (1, 2)]             # longer than the budget alone: its own group
+    assert decode_groups([16, 16, 16, 17], 16, 48) == [(0, 3), (3, 4)]
+
+
+def test_gather_padded_kv_matches_gather_kv_row_by_row():
+    step = Step([1, 1, 1], [5, 17, 1], 4, heads=4, kv_heads=2, seed=3)
+    padded = gather_padded_kv(step.k_cache, step.ctx.block_tables, 17)
+    assert padded.shape == (3, 20, 2, 8)                                   # 17 rounded up to whole blocks of 4
+    for i, n in enumerate(step.ctx_lens):
+        assert torch.equal(padded[i, :n], gather_kv(step.k_cache, step.ctx.block_tables[i], n))
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_torch_backend_matches_reference_on_mixed_batch(block_size, group):
+    step = Step(MIXED["q_lens"], MIXED["ctx_lens"], block_size, heads=2 * group, kv_heads=2, seed=10 + group)
+    store_kvcache_ref(step.k, step.v, step.k_cache, step.v_cache, step.ctx.slot_mapping)
+    c = step.ctx
+    out = paged_attention_torch(step.q, step.k_cache, step.v_cache, c.cu_seqlens_q, c.context_lens, c.block_tables,
+                                step.scale)
+    torch.testing.assert_close(out, ref_of(step), **TOL)
+    torch.testing.assert_close(out, step.dense(), **TOL)
+
+
+@pytest.mark.parametrize("group_bytes", [1, 12 * 2 * 8 * 4, 1 << 30])   # every sequence alone, a few, all in one
+def test_paged_decode_torch_matches_reference_for_any_grouping(group_bytes):
+    lens = [5, 17, 1, 30, 12, 12, 3, 29]
+    step = Step([1] * len(lens), lens, 4, heads=8, kv_heads=2, seed=4)
+    store_kvcache_ref(step.k, step.v, step.k_cache, step.v_cache, step.ctx.slot_mapping)
+    out = paged_decode_torch(step.q, step.k_cache, step.v_cache, step.ctx.context_lens, step.ctx.block_tables,
+                             step.scale, group_bytes=group_bytes)
+    torch.testing.assert_close(out, ref_of(step), **TOL)
+    torch.testing.assert_close(out, step.dense(), **TOL)
+
+
+def test_paged_decode_torch_empty_context_gives_zeros_like_the_reference():
+    "A padding slot (context length 0, no blocks) reads nothing and returns zeros; the others are unaffected."
+    step = Step([1, 1], [6, 9], 4, heads=4, kv_heads=2, seed=5)
+    store_kvcache_ref(step.k, step.v, step.k_cache, step.v_cache, step.ctx.slot_mapping)
+    lens = torch.tensor([6, 0, 9], dtype=torch.int32)
+    tables = torch.cat([step.ctx.block_tables[:1], torch.full((1, 3), -1, dtype=torch.int32),
+                        step.ctx.block_tables[1:]])
+    q = torch.cat([step.q[:1], torch.randn(1, 4, 8), step.q[1:]])
+    cu = torch.arange(4, dtype=torch.int32)
+    out = paged_decode_torch(q, step.k_cache, step.v_cache, lens, tables, step.scale)
+    want = paged_attention_ref(q, step.k_cache, step.v_cache, cu, lens, tables, step.scale)
+    assert torch.equal(out[1], torch.zeros(4, 8)) and torch.equal(want[1], torch.zeros(4, 8))
+    torch.testing.assert_close(out, want, **TOL)
+
+
+def test_paged_decode_torch_bfloat16_cache():
+    lens = [40, 3, 77]
+    step = Step([1, 1, 1], lens, 16, heads=4, kv_heads=1, seed=6)
+    store_kvcache_ref(step.k, step.v, step.k_cache, step.v_cache, step.ctx.slot_mapping)
+    kc, vc, q = step.k_cache.bfloat16(), step.v_cache.bfloat16(), step.q.bfloat16()
+    out = paged_decode_torch(q, kc, vc, step.ctx.context_lens, step.ctx.block_tables, step.scale)
+    want = paged_attention_ref(q, kc, vc, step.ctx.cu_seqlens_q, step.ctx.context_lens, step.ctx.block_tables,
+                               step.scale)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want.float(), atol=1e-2, rtol=1e-2)   # both: float32 math, one rounding
+
+
+@settings(max_examples=40, deadline=None)
+@given(seqs=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=7),
+       block_size=st.sampled_from([1, 2, 4, 16]), group=st.sampled_from([1, 2, 3]),
+       group_bytes=st.sampled_from([1, 256, 1 << 20]), seed=st.integers(0, 2**16))
+def test_torch_backend_matches_reference_on_random_steps(seqs, block_size, group, group_bytes, seed):
+    "Any mix of decode tokens, chunks over cached prefixes and fresh prompts: the batched backend equals the reference."
+    q_lens = [q for q, _ in seqs]
+    ctx_lens = [q + cached for q, cached in seqs]
+    step = Step(q_lens, ctx_lens, block_size, heads=2 * group, kv_heads=2, seed=seed)
+    store_kvcache_ref(step.k, step.v, step.k_cache, step.v_cache, step.ctx.slot_mapping)
+    c = step.ctx
+    if all(n == 1 for n in q_lens):
+        out = paged_decode_torch(step.q, step.k_cache, step.v_cache, c.context_lens, c.block_tables, step.scale,
+                                 group_bytes=group_bytes)
+    else:
+        out = paged_attention_torch(step.q, step.k_cache, step.v_cache, c.cu_seqlens_q, c.context_lens,
+                                    c.block_tables, step.scale)
+    torch.testing.assert_close(out, ref_of(step), **TOL)
+
+
+@pytest.mark.parametrize("slots", [[9, 0, 17, 4], [9, -1, 17, -1], []])
+def test_store_kvcache_torch_matches_reference(slots):
+    g = torch.Generator().manual_seed(8)
+    k, v = torch.randn(len(slots), 2, 8, generator=g), torch.randn(len(slots), 2, 8, generator=g)
+    caches = [torch.randn(5, 4, 2, 8, generator=g) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    store_kvcache_ref(k, v, want[0], want[1], slot_mapping)
+    store_kvcache_torch(k, v, caches[0], caches[1], slot_mapping)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    half = [c.bfloat16() for c in caches]                  # k, v cast to the cache's dtype
+    store_kvcache_torch(k, v, half[0], half[1], slot_mapping)
+    assert torch.equal(half[0], want[0].bfloat16()) and torch.equal(half[1], want[1].bfloat16())
+
+
+@pytest.mark.parametrize("n, length", [(1, 1), (1, 9), (4, 9), (9, 9)])
+def test_causal_attention_sdpa_matches_reference(n, length):
+    g = torch.Generator().manual_seed(n * 100 + length)
+    q, k, v = torch.randn(n, 6, 8, generator=g), torch.randn(length, 2, 8, generator=g), torch.randn(length, 2, 8,
+                                                                                                   generator=g)
+    torch.testing.assert_close(causal_attention_sdpa(q, k, v, 0.3), causal_attention_ref(q, k, v, 0.3), **TOL)
+
+
+def test_varlen_attention_torch_matches_reference():
+    "Whole prompts and prompts whose queries are only their last tokens (cu_seqlens_k longer than cu_seqlens_q)."
+    g = torch.Generator().manual_seed(7)
+    cu_q = torch.tensor([0, 4, 5, 14, 14], dtype=torch.int32)      # the last sequence has no query rows
+    cu_k = torch.tensor([0, 6, 7, 16, 18], dtype=torch.int32)
+    q, k, v = torch.randn(14, 4, 8, generator=g), torch.randn(18, 2, 8, generator=g), torch.randn(18, 2, 8, generator=g)
+    torch.testing.assert_close(varlen_attention_torch(q, k, v, cu_q, cu_k, 0.35),
+                               varlen_attention_ref(q, k, v, cu_q, cu_k, 0.35), **TOL)
+    cu = torch.tensor([0, 4, 5, 14], dtype=torch.int32)
+    torch.testing.assert_close(varlen_attention_torch(q, k[:14], v[:14], cu, cu, 0.35),
+                               varlen_attention_ref(q, k[:14], v[:14], cu, cu, 0.35), **TOL)
 
 
 # ---------------------------------------------------------------- backend choice

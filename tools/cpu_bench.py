@@ -1,0 +1,138 @@
+"""minivllm against transformers on a CPU: the same batch of greedy completions, throughput of each.
+
+The workload (deterministic): `num_prompts` prompts of random token ids, lengths uniform in 32..256 and ids uniform
+in [3, vocab_size) (0..2 are the tiny model's special tokens), drawn from `random.Random(seed)`; every prompt gets
+exactly `max_tokens` greedy output tokens (end-of-sequence ignored).
+
+- minivllm: `LLM(model, device="cpu").generate(prompts, SamplingParams(temperature=0, max_tokens=..., ignore_eos=True))`,
+  float32, default engine settings (all the prompts fit in one step's token budget); the prefix cache is emptied
+  before each run, so that no run reuses the prompts' K/V computed by the one before;
+- transformers: one `model.generate` call on the prompts left-padded into one batch with an attention mask,
+  `do_sample=False`, `max_new_tokens=min_new_tokens=max_tokens` and no eos token (so that greedy picks are never
+  masked), float32, SDPA attention.
+
+Both use torch's default number of threads. Each side is warmed up once, then timed `repeats` times, the two sides
+alternating (so that a busy moment of a shared machine hits both); the medians are reported, in output tokens per
+second. The greedy tokens of both are compared, too.
+
+    python tools/cpu_bench.py                     # 64 prompts x 64 tokens, 5 timed runs each
+    python tools/cpu_bench.py --num-prompts 16 --repeats 1
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+
+def random_prompts(num_prompts: int, vocab_size: int, seed: int = 0, min_len: int = 32, max_len: int = 256,
+                   first_id: int = 3) -> list[list[int]]:
+    "Prompts of random token ids, lengths uniform in [min_len, max_len], ids uniform in [first_id, vocab_size)."
+    rng = random.Random(seed)
+    return [[rng.randrange(first_id, vocab_size) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(num_prompts)]
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(prompts), width), dtype=torch.int64)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return ids, mask
+
+
+def transformers_generate(model_path: str, prompts: list[list[int]], max_tokens: int):
+    "A function that runs one batched greedy `generate` of transformers and returns the new token ids per prompt."
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    ids, mask = _left_pad(prompts, pad_id)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                              eos_token_id=None, pad_token_id=pad_id, bos_token_id=None)
+
+    @torch.inference_mode()
+    def generate() -> list[list[int]]:
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        return out[:, ids.shape[1]:].tolist()
+
+    return generate
+
+
+def minivllm_generate(model_path: str, prompts: list[list[int]], max_tokens: int, **engine_kwargs):
+    "A function that runs one `LLM.generate` of minivllm and returns the new token ids per prompt (and the LLM)."
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(model_path, device="cpu", dtype="float32", **engine_kwargs)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    block_manager = llm.llm_engine.scheduler.block_manager
+
+    def generate() -> list[list[int]]:
+        block_manager.reset_prefix_cache()   # every run computes every prompt: no hits left by the previous run
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    return generate, llm
+
+
+def cpu_vs_transformers(num_prompts: int = 64, max_tokens: int = 64, seed: int = 0, repeats: int = 5,
+                        model_path: str | None = None) -> dict:
+    "minivllm vs transformers `generate` on the same greedy batch on this CPU: median output tokens/s and their ratio."
+    from transformers import AutoConfig
+
+    from minivllm.tiny_model import TINY_MODEL_PATH
+
+    model_path = str(model_path or TINY_MODEL_PATH)
+    prompts = random_prompts(num_prompts, AutoConfig.from_pretrained(model_path).vocab_size, seed)
+    hf = transformers_generate(model_path, prompts, max_tokens)
+    mv, llm = minivllm_generate(model_path, prompts, max_tokens)
+    try:
+        hf_tokens, mv_tokens = hf(), mv()            # warm-up
+        times = {"transformers": [], "minivllm": []}
+        for _ in range(repeats):                     # interleaved: a busy moment of the machine hits both sides
+            for name, fn in (("transformers", hf), ("minivllm", mv)):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    finally:
+        llm.close()
+    num_tokens = num_prompts * max_tokens
+    hf_s, mv_s = statistics.median(times["transformers"]), statistics.median(times["minivllm"])
+    return dict(num_prompts=num_prompts, max_tokens=max_tokens, seed=seed, repeats=repeats,
+                prompt_tokens=sum(map(len, prompts)), output_tokens=num_tokens, threads=torch.get_num_threads(),
+                transformers_s=hf_s, minivllm_s=mv_s, transformers_times=times["transformers"],
+                minivllm_times=times["minivllm"], transformers_tok_s=num_tokens / hf_s,
+                minivllm_tok_s=num_tokens / mv_s, speedup=hf_s / mv_s,
+                identical_outputs=sum(a == b for a, b in zip(hf_tokens, mv_tokens)),
+                all_lengths_ok=all(len(t) == max_tokens for t in hf_tokens + mv_tokens))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    r = cpu_vs_transformers(args.num_prompts, args.max_tokens, args.seed, args.repeats)
+    print(f"workload: {r['num_prompts']} prompts ({r['prompt_tokens']} tokens, lengths 32..256, seed {r['seed']}) "
+          f"x {r['max_tokens']} greedy output tokens; {r['threads']} torch threads; median of {r['repeats']} runs")
+    print(f"transformers generate: {r['transformers_tok_s']:8.1f} output tok/s  ({r['transformers_s']:.2f} s; runs "
+          + ", ".join(f"{t:.2f}" for t in r["transformers_times"]) + ")")
+    print(f"minivllm LLM.generate: {r['minivllm_tok_s']:8.1f} output tok/s  ({r['minivllm_s']:.2f} s; runs "
+          + ", ".join(f"{t:.2f}" for t in r["minivllm_times"]) + ")")
+    print(f"speedup: {r['speedup']:.2f}x   identical greedy outputs: {r['identical_outputs']}/{r['num_prompts']}   "
+          f"all outputs {r['max_tokens']} tokens: {r['all_lengths_ok']}")
+    return r
+
+
+if __name__ == "__main__":
+    main()
