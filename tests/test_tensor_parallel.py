@@ -63,9 +63,14 @@ def completions(llm: LLM, params: SamplingParams = GREEDY):
 
 @pytest.fixture(scope="module")
 def reference():
-    "TP=1 greedy completions: the reference every TP=2 run must reproduce."
-    with LLM(TINY_MODEL_PATH, **ENGINE) as llm:
-        return completions(llm)
+    "TP=1 greedy completions: the reference every TP=2 run must reproduce (one thread: the tiny model needs no more)."
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with LLM(TINY_MODEL_PATH, **ENGINE) as llm:
+            return completions(llm)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def assert_same(ours, theirs) -> None:
@@ -91,14 +96,14 @@ def mixed_step() -> StepInputs:
 def assert_round_trip(x: StepInputs) -> None:
     header, packed = step_header(x), pack_step(x)
     assert header.dtype == np.int32 and len(header) == len(HEADER) and packed.dtype == np.int32
+    assert header[HEADER.index("device_input_ids")] == 0 and step_header(x, True)[HEADER.index("device_input_ids")] == 1
     assert payload_words(header.tolist()) == len(packed)
-    y, t = unpack_step(header.tolist(), torch.from_numpy(packed))
+    y = unpack_step(header.tolist(), packed)
     for name in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens",
                  "block_tables", "logits_indices"):
-        ours = getattr(x, name)
-        assert t[name] is getattr(y, name)
-        assert t[name].dtype == torch.from_numpy(ours).dtype and t[name].shape == ours.shape
-        assert np.array_equal(t[name].numpy(), ours)
+        ours, theirs = getattr(x, name), getattr(y, name)
+        assert theirs.dtype == ours.dtype and theirs.shape == ours.shape and np.array_equal(theirs, ours)
+        assert theirs.size == 0 or np.shares_memory(theirs, packed)   # a view of the received words, not a copy
     assert (y.max_seqlen_q, y.max_seqlen_k, y.is_decode_only) == (x.max_seqlen_q, x.max_seqlen_k, x.is_decode_only)
     assert (y.num_tokens, y.num_seqs) == (x.num_tokens, x.num_seqs)
 
@@ -176,10 +181,37 @@ def test_each_group_is_the_default_only_while_active():
     assert not dist.is_initialized()
 
 
+@pytest.mark.timeout(180)
+def test_ranks_agree_on_the_smallest_kv_cache():
+    "Rank 1 has twice rank 0's memory budget: both size their cache for rank 0's (the block manager's numbers)."
+    import multiprocessing as mp
+
+    from minivllm.engine.model_runner import num_kv_blocks
+    ctx, budgets, here = mp.get_context("spawn"), [0.01, 0.02], os.path.dirname(__file__)
+    sys.path.insert(0, here)   # the spawned ranks import the worker module from here
+    try:
+        import _tp_kv_worker
+        results = ctx.Queue()
+        rank0 = ctx.Process(target=_tp_kv_worker.run, args=(0, 0, budgets, results))
+        rank0.start()
+        kind, port = results.get(timeout=120)
+        rank1 = ctx.Process(target=_tp_kv_worker.run, args=(1, port, budgets, results))
+        rank1.start()
+        blocks = dict(results.get(timeout=120) for _ in range(2))
+        rank0.join(60), rank1.join(60)
+    finally:
+        sys.path.remove(here)
+    small = Config(TINY_MODEL_PATH, tensor_parallel_size=2, device="cpu", max_model_len=256, max_num_seqs=256)
+    expected = num_kv_blocks(small, int(budgets[0] * 2**30))
+    assert kind == "port" and blocks == {0: expected, 1: expected}
+    assert expected < num_kv_blocks(small, int(budgets[1] * 2**30))
+    assert rank0.exitcode == 0 and rank1.exitcode == 0
+
+
 # ---------------------------------------------------------------- TP=2 engines on the CPU
 
 @pytest.mark.timeout(300)
-def test_tp2_matches_tp1_and_leaves_no_process(reference):
+def test_tp2_matches_tp1_and_close_leaves_no_process(reference):
     before = our_children()
     llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
     runner = llm.llm_engine.model_runner
@@ -188,16 +220,12 @@ def test_tp2_matches_tp1_and_leaves_no_process(reference):
     assert_same(completions(llm), reference)
     llm.close()
     assert our_children() == before
-
-    llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
-    assert len(our_children() - before) == 1
-    del llm, runner
-    gc.collect()
-    assert our_children() == before
+    with pytest.raises(RuntimeError, match="closed"):
+        completions(llm)
 
 
 @pytest.mark.timeout(300)
-def test_two_tp2_engines_alive_at_once(reference):
+def test_two_tp2_engines_alive_at_once_and_garbage_collection(reference):
     before = our_children()
     a = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
     b = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
@@ -212,7 +240,9 @@ def test_two_tp2_engines_alive_at_once(reference):
         assert first.outputs[0].token_ids + rest == reference[2].token_ids
     finally:
         a.close()
-        b.close()
+    assert len(our_children() - before) == 1   # b's worker
+    del b, stream
+    gc.collect()
     assert our_children() == before
 
 
@@ -242,6 +272,30 @@ def test_worker_failure_during_a_step_is_raised_and_the_engine_refuses_more(monk
     with pytest.raises(RuntimeError, match=r"the tensor-parallel group is down \(make a new LLM\)"):
         completions(llm)
     llm.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_while_idle_fails_the_next_step():
+    before = our_children()
+    llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
+    (worker,) = our_children() - before
+    os.kill(worker, signal.SIGKILL)   # (not psutil's wait(): it would reap the process before multiprocessing does)
+    with pytest.raises(RuntimeError, match="tensor-parallel worker rank 1 was killed by signal 9 unexpectedly"):
+        completions(llm)
+    llm.close()
+    assert our_children() == before
+
+
+@pytest.mark.timeout(180)
+def test_a_script_without_main_guard_gets_a_clear_error(tmp_path):
+    "Spawned workers import the main script again; without the guard they would start engines of their own."
+    script = tmp_path / "no_guard.py"
+    script.write_text(f"from minivllm import LLM\nLLM({TINY_MODEL_PATH!r}, tensor_parallel_size=2, **{ENGINE!r})\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=170)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: tensor-parallel worker rank 1 exited with code 1 before it started")
+    assert 'create the LLM under `if __name__ == "__main__":`' in last
 
 
 @pytest.mark.timeout(180)
