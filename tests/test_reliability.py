@@ -460,13 +460,39 @@ def test_fault_in_a_stream_leaves_the_engine_usable(llm, expected, monkeypatch):
     assert_works(llm, expected)
 
 
-def test_stream_stopped_early_frees_its_request(llm, expected):
+@pytest.mark.parametrize("num_deltas", [1, 4])
+def test_stream_stopped_early_frees_its_request(llm, expected, num_deltas):
     stream = llm.stream("def f():", SamplingParams(temperature=0, max_tokens=10))
-    first = next(stream)
-    assert len(first.outputs[0].token_ids) == 1 and not first.finished
+    deltas = [next(stream) for _ in range(num_deltas)]
+    assert sum(len(d.outputs[0].token_ids) for d in deltas) == num_deltas and not deltas[-1].finished
     stream.close()
     assert_clean(llm.llm_engine)
     assert_works(llm, expected)
+    engine = llm.llm_engine   # and stepping by hand works too
+    request_id = engine.add_request(GOOD[1], GREEDY)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outputs] == [request_id] and outputs[0].outputs[0].token_ids == expected[1]
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("abort_after", [1, 2, 5])
+def test_abort_while_running(llm, expected, abort_after):
+    "A request aborted between steps leaves at once; the others go on to the same tokens."
+    engine = llm.llm_engine
+    ids = [engine.add_request(p, GREEDY) for p in GOOD]
+    victim = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=20))
+    done = {}
+    for step in range(1000):
+        if step == abort_after:
+            engine.abort_request(victim)
+            assert victim not in engine.requests
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        if not engine.has_unfinished_requests():
+            break
+    assert victim not in done and token_ids(done[i] for i in ids) == expected
+    assert_clean(engine)
 
 
 @pytest.mark.parametrize("stop", [[")\n"], ["getn", ")\n"], ["\n    f"], None])
