@@ -1,6 +1,7 @@
 """Re-execute notebooks in place and store their outputs, as `pytest --nbval` will later compare them.
 
     python tools/run_notebooks.py notebooks/03_scheduler.ipynb [more.ipynb ...]
+    python tools/run_notebooks.py --gpu-outputs-from DIR notebooks/05_paged_attention.ipynb   # after a GPU run
 
 Cells whose first line is `#| gpu` run only where CUDA is available; elsewhere they are skipped and keep
 the outputs stored from a real GPU run (the root conftest.py skips them under nbval the same way).
@@ -39,13 +40,35 @@ def run_notebook(path: Path, timeout: int = 1800, gpu: bool | None = None) -> No
     print(f"ran {path} ({count} cells)")
 
 
+def merge_gpu_outputs(path: Path, gpu_run: Path) -> int:
+    """Copy the outputs of the `#| gpu` cells of `gpu_run` (the same notebook, executed on a GPU machine) into the
+    notebook at `path`, matching cells by id; the CPU cells keep their CPU outputs. Returns the cells updated."""
+    nb, ran = nbformat.read(path, as_version=4), nbformat.read(gpu_run, as_version=4)
+    by_id = {c.get("id"): c for c in ran.cells}
+    updated = 0
+    for cell in nb.cells:
+        if cell.cell_type == "code" and is_gpu_cell(cell.source):
+            twin = by_id.get(cell.get("id"))
+            if twin is None or twin.source != cell.source:
+                raise ValueError(f"{path.name}: GPU cell {cell.get('id')} has no identical twin in {gpu_run}")
+            cell.outputs, cell.execution_count = twin.outputs, twin.execution_count
+            updated += 1
+    nbformat.write(nb, path)
+    return updated
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("notebooks", nargs="+", type=Path)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
+    ap.add_argument("--gpu-outputs-from", type=Path, default=None,
+                    help="a folder of the same notebooks executed on a GPU: copy their GPU cells' outputs here")
     args = ap.parse_args()
     for nb in args.notebooks:
-        run_notebook(nb, args.timeout)
+        if args.gpu_outputs_from:
+            print(f"{nb}: {merge_gpu_outputs(nb, args.gpu_outputs_from / nb.name)} GPU cells updated")
+        else:
+            run_notebook(nb, args.timeout)
 
 
 if __name__ == "__main__":
