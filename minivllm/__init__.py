@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = []
 
-# %% ../notebooks/09_llm_engine.ipynb #b0f8c29b
+# %% ../notebooks/09_llm_engine.ipynb #54b1651c
 from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
