@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = []
 
-# %% ../notebooks/09_llm_engine.ipynb #54b1651c
+# %% ../notebooks/09_llm_engine.ipynb #142e921e
 from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
