@@ -36,6 +36,16 @@ def main() -> None:
     for _ in range(args.batch):
         engine.add_request([random.randint(0, 10000) for _ in range(args.context)], params)
     prefill_steps, start = 0, time.perf_counter()
+    engine.step()   # the first prefill step, then one profiled
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    prefill_steps = 2
+    events = prof.key_averages()
+    print(f"one prefill step ({engine.config.max_num_batched_tokens} tokens): GPU kernels "
+          f"{sum(e.self_device_time_total for e in events) / 1e3:.2f} ms")
+    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running + list(engine.scheduler.waiting)):
         engine.step()
         prefill_steps += 1

@@ -42,15 +42,16 @@ def run_notebook(path: Path, timeout: int = 1800, gpu: bool | None = None) -> No
 
 def merge_gpu_outputs(path: Path, gpu_run: Path) -> int:
     """Copy the outputs of the `#| gpu` cells of `gpu_run` (the same notebook, executed on a GPU machine) into the
-    notebook at `path`, matching cells by id; the CPU cells keep their CPU outputs. Returns the cells updated."""
+    notebook at `path`, matching cells by their source; the CPU cells keep their CPU outputs. Returns the cells
+    updated."""
     nb, ran = nbformat.read(path, as_version=4), nbformat.read(gpu_run, as_version=4)
-    by_id = {c.get("id"): c for c in ran.cells}
+    by_source = {c.source: c for c in ran.cells if c.cell_type == "code"}
     updated = 0
     for cell in nb.cells:
         if cell.cell_type == "code" and is_gpu_cell(cell.source):
-            twin = by_id.get(cell.get("id"))
-            if twin is None or twin.source != cell.source:
-                raise ValueError(f"{path.name}: GPU cell {cell.get('id')} has no identical twin in {gpu_run}")
+            twin = by_source.get(cell.source)
+            if twin is None:
+                raise ValueError(f"{path.name}: GPU cell {cell.get('id')} has no twin with the same source in {gpu_run}")
             cell.outputs, cell.execution_count = twin.outputs, twin.execution_count
             updated += 1
     nbformat.write(nb, path)
