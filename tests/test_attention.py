@@ -292,6 +292,20 @@ def test_varlen_attention_torch_matches_reference():
                                varlen_attention_ref(q, k[:14], v[:14], cu, cu, 0.35), **TOL)
 
 
+@pytest.mark.gpu
+def test_torch_backend_on_cuda_matches_reference():
+    "The batched torch backend is plain PyTorch: forced on a GPU (MINIVLLM_ATTENTION_BACKEND=torch) it must agree too."
+    for q_lens, ctx_lens in [(MIXED["q_lens"], MIXED["ctx_lens"]), ([1, 1, 1], [300, 5, 1000])]:
+        step = Step(q_lens, ctx_lens, 16, heads=16, kv_heads=8, dim=128, seed=13, device="cuda")
+        for name in ("k_cache", "v_cache", "q", "k", "v"):
+            setattr(step, name, getattr(step, name).to(torch.bfloat16))
+        store_kvcache_torch(step.k, step.v, step.k_cache, step.v_cache, step.ctx.slot_mapping)
+        c = step.ctx
+        out = paged_attention_torch(step.q, step.k_cache, step.v_cache, c.cu_seqlens_q, c.context_lens,
+                                    c.block_tables, step.scale)
+        torch.testing.assert_close(out.float(), ref_of(step).float(), atol=2e-2, rtol=2e-2)
+
+
 # ---------------------------------------------------------------- backend choice
 
 def test_select_backend(monkeypatch):
