@@ -4,9 +4,9 @@ The workload (deterministic): `num_prompts` prompts of random token ids, lengths
 in [3, vocab_size) (0..2 are the tiny model's special tokens), drawn from `random.Random(seed)`; every prompt gets
 exactly `max_tokens` greedy output tokens (end-of-sequence ignored).
 
-- minivllm: `LLM(model, device="cpu").generate(prompts, SamplingParams(temperature=0, max_tokens=..., ignore_eos=True))`,
-  float32, default engine settings (all the prompts fit in one step's token budget); the prefix cache is emptied
-  before each run, so that no run reuses the prompts' K/V computed by the one before;
+- minivllm: `LLM(model, device="cpu").generate(prompts, SamplingParams(temperature=0, max_tokens=...,
+  ignore_eos=True))`, float32, default engine settings (all the prompts fit in one step's token budget); the prefix
+  cache is emptied before each run, so that no run reuses the prompts' K/V computed by the one before;
 - transformers: one `model.generate` call on the prompts left-padded into one batch with an attention mask,
   `do_sample=False`, `max_new_tokens=min_new_tokens=max_tokens` and no eos token (so that greedy picks are never
   masked), float32, SDPA attention.
