@@ -15,8 +15,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-GPU_MARKER = "#| gpu"
-
 
 def cuda_available() -> bool:
     try:
@@ -24,6 +22,14 @@ def cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+if not cuda_available():
+    # Triton reads this when a kernel is defined (at import), so it must be set before any test imports one: without
+    # a GPU, every Triton kernel runs in Triton's CPU interpreter, whatever the order the test files run in.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+GPU_MARKER = "#| gpu"
 
 
 def is_gpu_cell(source: str) -> bool:
