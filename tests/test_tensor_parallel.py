@@ -378,11 +378,14 @@ def test_gpu_tp2_matches_tp1_float32_with_cuda_graphs():
 @pytest.mark.gpu
 @two_gpus
 @pytest.mark.timeout(900)
-def test_gpu_tp2_cuda_graphs_match_eager_bfloat16():
-    "16 prompts of one length: every decode step is a batch of 16, a recorded size, so graphs replay exactly."
+def test_gpu_tp2_cuda_graphs_match_eager_float32():
+    """16 prompts of one length: every decode step is a batch of 16, a recorded size. In float32 graphs and eager give
+    the same tokens; in bfloat16 they need not (measured on the H200, at TP=1 and TP=2): replayed and eager steps may
+    run differently-tiled kernels (split-KV sized for max_model_len, the matrix library's choices under capture), and
+    a last-bit difference flips a near-tied argmax of random weights (notebook 08 shows it)."""
     folder, gen = random_qwen3_0_6b(), torch.Generator().manual_seed(1)
     prompts = torch.randint(0, 10000, (16, 300), generator=gen).tolist()
-    kwargs = dict(tensor_parallel_size=2, dtype="bfloat16", max_model_len=1024, max_num_seqs=16)
+    kwargs = dict(tensor_parallel_size=2, dtype="float32", max_model_len=1024, max_num_seqs=16)
     graphs = gpu_tokens(folder, prompts, 48, **kwargs)
     eager = gpu_tokens(folder, prompts, 48, enforce_eager=True, **kwargs)
     assert graphs == eager
