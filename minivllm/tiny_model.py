@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['TINY_MODEL_PATH']
 
-# %% ../notebooks/01_sequence.ipynb #bb5c7b1c
-from pathlib import Path
+# %% ../notebooks/01_sequence.ipynb #c9710f9b
+from importlib.resources import files
 
-TINY_MODEL_PATH: str = str(Path(__file__).resolve().parent / "data" / "tiny-qwen3")
+TINY_MODEL_PATH: str = str(files("minivllm") / "data" / "tiny-qwen3")
