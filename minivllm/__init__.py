@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = []
 
-# %% ../notebooks/09_llm_engine.ipynb #0aeaf826
+# %% ../notebooks/09_llm_engine.ipynb #e1d479ef
 from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams

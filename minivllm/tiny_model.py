@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['TINY_MODEL_PATH']
 
-# %% ../notebooks/01_sequence.ipynb #c9710f9b
+# %% ../notebooks/01_sequence.ipynb #6e9a826c
 from importlib.resources import files
 
 TINY_MODEL_PATH: str = str(files("minivllm") / "data" / "tiny-qwen3")
