@@ -115,3 +115,52 @@ def test_qwen3_06b_float32_greedy_matches_transformers_on_gpu(qwen3_06b, gpu_pro
             assert llm.llm_engine.scheduler.num_preemptions > 0
     same = [g == r for g, r in zip(got, reference)]
     assert all(same), f"{name}: prompts {[i for i, s in enumerate(same) if not s]} differ from transformers"
+
+
+# ---- cascade decode: a prefix shared by the whole batch is read once (notebook 05) ------------------------------
+
+def _generate_with_shared_prefix(ids, monkeypatch, **kwargs):
+    "Cache a shared prefix with one request, then decode 5 requests that start with it; thresholds lowered to fit."
+    from minivllm.engine.model_runner import ModelRunner
+    from minivllm.kernels import cascade
+    monkeypatch.setattr(cascade, "CASCADE_MIN_PREFIX", 16)
+    monkeypatch.setattr(cascade, "CASCADE_MIN_SAVED", 16)
+    used, original = [], ModelRunner.shared_prefix
+
+    def spy(self, x):
+        value = original(self, x)
+        used.append(0 if value is None else int(value[0]))
+        return value
+    monkeypatch.setattr(ModelRunner, "shared_prefix", spy)
+    shared = ids[7] + ids[0] + ids[2]
+    prompts = [shared + tail for tail in ids[:5]]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    with LLM(TINY_MODEL_PATH, max_model_len=256, **kwargs) as llm:
+        llm.generate([shared], params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        graphs = llm.llm_engine.model_runner.graphs
+        if graphs is not None:   # on a GPU: the decode steps replay the graphs that read the prefix once
+            used.append(int(graphs.host_inputs[graphs.turn ^ 1]["shared_prefix_len"][0]))   # the last replay's
+    return [o.outputs[0].token_ids for o in outs], used, len(shared)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run of the Triton kernels (interpreter)")
+def test_cascade_decode_on_cpu_gives_the_tokens_of_plain_attention(tiny_reference, monkeypatch):
+    ids, _ = tiny_reference
+    got, used, n = _generate_with_shared_prefix(ids, monkeypatch, device="cpu", attention_backend="triton")
+    assert max(used) == (n - 1) // 16 * 16 > 0   # the decode steps of the 5 requests read the prefix once
+    with LLM(TINY_MODEL_PATH, max_model_len=256, device="cpu", attention_backend="torch") as llm:
+        want = llm.generate([ids[7] + ids[0] + ids[2] + tail for tail in ids[:5]],
+                            SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert got == [o.outputs[0].token_ids for o in want]
+
+
+@pytest.mark.gpu
+def test_gpu_cascade_decode_with_cuda_graphs_gives_the_tokens_of_eager_plain_attention(tiny_reference, monkeypatch):
+    ids, _ = tiny_reference
+    got, used, n = _generate_with_shared_prefix(ids, monkeypatch, dtype="float32")
+    assert used[-1] == (n - 1) // 16 * 16 > 0
+    with LLM(TINY_MODEL_PATH, max_model_len=256, dtype="float32", enable_prefix_caching=False) as llm:
+        want = llm.generate([ids[7] + ids[0] + ids[2] + tail for tail in ids[:5]],
+                            SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert got == [o.outputs[0].token_ids for o in want]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():  # Triton decides when a kernel is defined: before minivllm.kernels is imported
@@ -22,6 +23,7 @@ if not torch.cuda.is_available():  # Triton decides when a kernel is defined: be
 import pytest  # noqa: E402
 
 from minivllm.kernels.bench import bench_copy, bench_decode  # noqa: E402
+from minivllm.kernels.cascade import CASCADE_MIN_PREFIX, shared_prefix_len, use_cascade  # noqa: E402
 from minivllm.kernels.paged_decode import MAX_SPLITS, choose_num_splits, paged_decode_attention  # noqa: E402
 from minivllm.kernels.paged_prefill import paged_prefill_attention, varlen_prefill_attention  # noqa: E402
 from minivllm.kernels.reference import paged_attention_ref, store_kvcache_ref, varlen_attention_ref  # noqa: E402
@@ -305,3 +307,83 @@ def test_gpu_decode_cuda_graph_replays_with_new_lengths():
     want = paged_attention_ref(q, kc, vc, cu, context_lens, block_tables, SCALE)
     torch.testing.assert_close(out.float(), want.float(), **BF16_TOL)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+# ---------------------------------------------------------------- cascade: a prefix the whole decode batch shares
+
+def shared_prefix_step(prefix_blocks, own_lens, block_size, seed=0, **kw):
+    "A decode step whose sequences all start with the same `prefix_blocks` blocks, then `own_lens` tokens of their own."
+    q, kc, vc, ctx = random_step([1] * len(own_lens), [prefix_blocks * block_size + n for n in own_lens], block_size,
+                                 seed=seed, spare_blocks=prefix_blocks, **kw)
+    tables = ctx.block_tables.clone()
+    tables[:, :prefix_blocks] = tables[0, :prefix_blocks]   # every row points at row 0's prefix blocks
+    lens = ctx.context_lens
+    return q, kc, vc, make_context([1] * len(own_lens), lens.tolist(), [
+        [b for b in row if b >= 0] for row in tables.tolist()], block_size, device=q.device)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("group", [1, 2, 3])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_cascade_decode_matches_reference(block_size, group, num_splits):
+    q, kc, vc, ctx = shared_prefix_step(3, [1, 9, 40, 17, 64], block_size, heads=2 * group, kv_heads=2,
+                                        seed=block_size + group)
+    prefix = shared_prefix_len(ctx.block_tables.cpu().numpy(), ctx.context_lens.cpu().numpy(), block_size)
+    assert prefix == 3 * block_size
+    out = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.3, num_splits=num_splits,
+                                 block_n=16, shared_prefix_len=torch.tensor([prefix], dtype=torch.int32, device=DEVICE))
+    torch.testing.assert_close(out, ref(q, kc, vc, ctx, 0.3), **CPU_TOL)
+
+
+def test_cascade_with_padding_rows_and_empty_prefix():
+    "CUDA-graph padding rows (length 0) get zeros; a shared length of 0 is plain decode."
+    q, kc, vc, ctx = shared_prefix_step(2, [3, 5, 7], 4, seed=9)
+    lens = ctx.context_lens.clone()
+    lens[2] = 0
+    want = ref(q, kc, vc, ctx, 0.5)
+    for prefix in (8, 0):
+        out = paged_decode_attention(q, kc, vc, lens, ctx.block_tables, 0.5, num_splits=2, block_n=16,
+                                     shared_prefix_len=torch.tensor([prefix], dtype=torch.int32, device=DEVICE))
+        torch.testing.assert_close(out[:2], want[:2], **CPU_TOL)
+        assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+def test_cascade_bfloat16():
+    q, kc, vc, ctx = shared_prefix_step(4, [2, 30, 11], 16, heads=4, kv_heads=2, dim=16, dtype=torch.bfloat16, seed=10)
+    out = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.25, block_n=16,
+                                 shared_prefix_len=torch.tensor([64], dtype=torch.int32, device=DEVICE))
+    torch.testing.assert_close(out.float(), ref(q, kc, vc, ctx, 0.25).float(), **BF16_TOL)
+
+
+def test_cascade_rejects_a_bad_prefix_tensor():
+    q, kc, vc, ctx = shared_prefix_step(1, [2, 3], 4)
+    for bad in (torch.tensor([4], dtype=torch.int64, device=DEVICE), torch.tensor([4, 4], dtype=torch.int32,
+                                                                                   device=DEVICE)):
+        with pytest.raises(ValueError, match="shared_prefix_len"):
+            paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.5, shared_prefix_len=bad)
+
+
+def test_shared_prefix_len_and_use_cascade():
+    tables = np.array([[5, 6, 7, -1], [5, 6, 8, 9], [5, 6, 7, 3]], dtype=np.int32)
+    assert shared_prefix_len(tables, np.array([12, 16, 16]), 4) == 8      # blocks 5, 6
+    assert shared_prefix_len(tables[[0, 2]], np.array([12, 16]), 4) == 8   # 5, 6, 7 shared, but row 0 ends in 7
+    assert shared_prefix_len(tables[[0, 2]], np.array([13, 16]), 4) == 12
+    assert shared_prefix_len(tables[:1], np.array([12]), 4) == 0           # one sequence: nothing to share
+    assert shared_prefix_len(np.array([[1, 2], [3, 2]], dtype=np.int32), np.array([8, 8]), 4) == 0
+    assert shared_prefix_len(np.array([[1, 2], [1, 2]], dtype=np.int32), np.array([8, 5]), 4) == 4
+    assert use_cascade(256, 1024) and use_cascade(65, 1024) and not use_cascade(64, 1024)
+    assert not use_cascade(256, CASCADE_MIN_PREFIX - 16) and not use_cascade(1, 4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_cascade_batch_256(block_size):
+    g = torch.Generator().manual_seed(11)
+    own = torch.randint(1, 512, (256,), generator=g).tolist()
+    q, kc, vc, ctx = shared_prefix_step(4096 // block_size // 4, own, block_size, seed=12, **QWEN)
+    prefix = torch.tensor([1024], dtype=torch.int32, device="cuda")
+    want = ref(q, kc, vc, ctx, SCALE).float()
+    for splits in (1, None):
+        out = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, SCALE, num_splits=splits,
+                                     shared_prefix_len=prefix)
+        torch.testing.assert_close(out.float(), want, **BF16_TOL)

@@ -244,6 +244,19 @@ def test_prefix_hits_at_admission_reduce_the_prompt_work():
     assert_reference_outputs(sched, [first, second])
 
 
+def test_prompts_arriving_together_with_a_shared_prefix_compute_it_once():
+    "The second prompt's first uncached block is being computed by the first: it waits one step and hits the cache."
+    sched = Scheduler(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32)
+    first = make(sched, range(10), max_tokens=2, ignore_eos=True)
+    second = make(sched, list(range(9)) + [77, 78], max_tokens=2, ignore_eos=True)
+    other = make(sched, [50, 51, 52], max_tokens=2, ignore_eos=True)
+    batches = drive(sched, [(0, first), (0, second), (0, other)])
+    assert plan(batches[0], [first, second, other]) == [(0, 10)]          # second (and other, behind it) wait
+    assert plan(batches[1], [first, second, other]) == [(0, 1), (1, 3), (2, 3)]
+    assert second.num_cached_tokens == 8 and sched.block_manager.prefix_cache_hits == 8
+    assert_reference_outputs(sched, [first, second, other])
+
+
 # ---- preemption -------------------------------------------------------------------------------------------------
 def test_preemption_victim_is_the_most_recently_admitted_and_nothing_is_admitted_that_step():
     sched = Scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32)

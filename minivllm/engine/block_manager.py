@@ -150,6 +150,12 @@ class BlockManager:
         "How many leading full blocks of `seq` the prefix cache holds (read-only; see `allocate_prefix`)."
         return len(self._cache_hits(seq))
 
+    def first_missing_hash(self, seq: Sequence) -> int | None:
+        "Hash of the first full block of a waiting `seq` that the prefix cache lacks (None: all cached, or no cache)."
+        hits = len(self._cache_hits(seq))
+        memo = self._hash_memo.get(seq.seq_id, [])
+        return memo[hits] if len(memo) > hits else None
+
     def allocate_prefix(self, seq: Sequence) -> int:
         "Admit a sequence: take its cached prefix blocks and mark those tokens computed. Returns the cached tokens."
         self._check_seq(seq)

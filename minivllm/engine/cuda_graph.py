@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.cascade import shared_prefix_len, use_cascade
 from ..utils.context import Context, reset_context, set_context
 
 
@@ -18,17 +19,18 @@ __all__ = ['graph_batch_sizes', 'CUDAGraphRunner']
 
 # %% ../../notebooks/08_model_runner.ipynb #dbbc2d3b
 class CUDAGraphRunner:
-    """Decode steps recorded once per batch size. The graphs read their inputs from one device buffer; a pinned host
-    mirror of it is filled with the step's arrays and copied over in a single transfer before each replay."""
+    """Decode steps recorded once per batch size (and, with `cascade`, once more reading a shared prefix once). The
+    graphs read their inputs from one device buffer; a pinned host mirror of it is filled with the step's arrays and
+    copied over in a single transfer before each replay."""
 
     def __init__(self, model: torch.nn.Module, max_batch_size: int, max_model_len: int, block_size: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device):
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, cascade: bool = False):
         self.batch_sizes = graph_batch_sizes(max_batch_size)
-        self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
+        self.max_batch_size, self.max_model_len, self.block_size = max_batch_size, max_model_len, block_size
         n, width = max_batch_size, -(-max_model_len // block_size)
         layout = [("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)),
                   ("slot_mapping", torch.int64, (n,)), ("context_lens", torch.int32, (n,)),
-                  ("block_tables", torch.int32, (n, width))]
+                  ("block_tables", torch.int32, (n, width)), ("shared_prefix_len", torch.int32, (1,))]
         sizes = [torch.Size(shape).numel() * dtype_.itemsize for _, dtype_, shape in layout]
         # two host mirrors, used in turn: while one may still be feeding a transfer, the next step fills the other
         self.hosts = [torch.zeros(sum(sizes), dtype=torch.uint8, pin_memory=True) for _ in range(2)]
@@ -44,28 +46,34 @@ class CUDAGraphRunner:
         self.turn = 0
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.capture(model)
+        self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # only batch sizes where a cascade can pay
+        self.capture(model, cascade)
 
-    def _set_context(self, bs: int) -> None:
+    def _set_context(self, bs: int, cascade: bool) -> None:
         set_context(Context(is_decode_only=True, max_seqlen_q=1, max_seqlen_k=self.max_model_len,
                             slot_mapping=self.inputs["slot_mapping"][:bs],
                             context_lens=self.inputs["context_lens"][:bs],
-                            block_tables=self.inputs["block_tables"][:bs]))
+                            block_tables=self.inputs["block_tables"][:bs],
+                            shared_prefix_len=self.inputs["shared_prefix_len"] if cascade else None))
 
     @torch.inference_mode()
-    def capture(self, model: torch.nn.Module) -> None:
+    def capture(self, model: torch.nn.Module, cascade: bool) -> None:
         pool, ids, pos = None, self.inputs["input_ids"], self.inputs["positions"]
         self.device_buffer.copy_(self.hosts[0])
         try:
             for bs in reversed(self.batch_sizes):
-                self._set_context(bs)
-                self.hidden[:bs] = model(ids[:bs], pos[:bs])  # warm-up: compile kernels, allocate
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    self.hidden[:bs] = model(ids[:bs], pos[:bs])
-                pool = pool or graph.pool()
-                self.graphs[bs] = graph
-                torch.cuda.synchronize()
+                variants = [(self.graphs, False)]
+                if cascade and use_cascade(bs, self.max_model_len):
+                    variants.append((self.cascade_graphs, True))
+                for graphs, shared in variants:
+                    self._set_context(bs, shared)
+                    self.hidden[:bs] = model(ids[:bs], pos[:bs])  # warm-up: compile kernels, allocate
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool):
+                        self.hidden[:bs] = model(ids[:bs], pos[:bs])
+                    pool = pool or graph.pool()
+                    graphs[bs] = graph
+                    torch.cuda.synchronize()
         finally:
             reset_context()
 
@@ -83,8 +91,10 @@ class CUDAGraphRunner:
         h["context_lens"][:num_seqs] = x.context_lens
         h["context_lens"][num_seqs:bs] = 0
         h["block_tables"][:num_seqs, :x.block_tables.shape[1]] = x.block_tables
+        prefix = shared_prefix_len(x.block_tables, x.context_lens, self.block_size) if self.cascade_graphs else 0
+        h["shared_prefix_len"][0] = prefix
         self.device_buffer.copy_(host, non_blocking=True)
         if input_ids is not None:
             self.inputs["input_ids"][:num_seqs].copy_(input_ids)
-        self.graphs[bs].replay()
+        (self.cascade_graphs if use_cascade(num_seqs, prefix) else self.graphs)[bs].replay()
         return self.hidden[:num_seqs]

@@ -14,7 +14,8 @@ from ..config import Config
 from .cuda_graph import CUDAGraphRunner
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
-from ..layers.attention import Attention
+from ..kernels.cascade import shared_prefix_len, use_cascade
+from ..layers.attention import Attention, select_backend
 from ..layers.sampler import Sampler, SamplingTensors, SeedGenerators, gather_logprobs
 from ..models.qwen3 import Qwen3ForCausalLM
 from ..sampling_params import SamplingParams
@@ -255,10 +256,13 @@ class ModelRunner:
             self.num_blocks = self.size_kv_cache()
             self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, self.block_size, config.torch_dtype,
                                               self.device)
+            # cascade decode (notebook 05): a prefix shared by the whole batch is read once; Triton backend only
+            self.cascade = (config.enable_prefix_caching
+                            and select_backend(self.device, self.block_size, config.attention_backend) == "triton")
             if self.device.type == "cuda" and not config.enforce_eager:
                 self.graphs = CUDAGraphRunner(self.model, config.max_num_seqs, config.max_model_len,
                                               self.block_size, config.hf_config.hidden_size, config.torch_dtype,
-                                              self.device)
+                                              self.device, cascade=self.cascade)
         except BaseException:
             self.close()
             raise
@@ -290,11 +294,21 @@ class ModelRunner:
         set_context(Context(is_decode_only=x.is_decode_only, cu_seqlens_q=t["cu_seqlens_q"],
                             cu_seqlens_k=t["cu_seqlens_k"], max_seqlen_q=x.max_seqlen_q, max_seqlen_k=x.max_seqlen_k,
                             slot_mapping=t["slot_mapping"], context_lens=t["context_lens"],
-                            block_tables=t["block_tables"]))
+                            block_tables=t["block_tables"], shared_prefix_len=self.shared_prefix(x)))
         try:
             return self.model(t["input_ids"] if input_ids is None else input_ids, t["positions"])
         finally:
             reset_context()
+
+    def shared_prefix(self, x: StepInputs) -> torch.Tensor | None:
+        "For an eager decode step: the batch's shared prefix length on the device, if a cascade pays (else None)."
+        if not (self.cascade and x.is_decode_only):
+            return None
+        prefix = shared_prefix_len(x.block_tables, x.context_lens, self.block_size)
+        if not use_cascade(x.num_seqs, prefix):
+            return None
+        value = torch.tensor([prefix], dtype=torch.int32)
+        return value.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else value
 
     def sampling_tensors(self, params: list[SamplingParams]) -> tuple[SamplingTensors, bool]:
         """The batch's sampling tensors and whether any row has its own seed, reused while the batch holds the same

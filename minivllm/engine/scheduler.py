@@ -234,9 +234,12 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, scheduled: list) -> int:
         "Admit waiting prompts, first come first served, while budget, blocks and max_num_seqs allow."
-        bm = self.block_manager
+        bm, computing = self.block_manager, set()   # computing: the first uncached block of each prompt admitted
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            missing = bm.first_missing_hash(seq)
+            if missing is not None and missing in computing:
+                break   # a prompt admitted in this step computes that block: from the next step on it is cached
             n = seq.num_tokens - bm.num_cache_hit_blocks(seq) * self.block_size
             if n > budget:
                 if not self.enable_chunked_prefill:
@@ -251,6 +254,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+            computing.add(missing)
         return budget
 
     # ---- after the step ----------------------------------------------------------------------------------------

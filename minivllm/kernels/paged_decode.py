@@ -13,32 +13,36 @@ import triton.language as tl
 from .common import check_device, check_kv_cache, dot_options, next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "num_parts", "stride_bt"])
 def _paged_decode_kernel(
         out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-        qk_scale, num_splits, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+        prefix_len_ptr, qk_scale, num_splits, num_parts, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok, stride_v_head, stride_bt,
         NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_SPLITS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+        CASCADE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    kv_start = 0
+    if CASCADE:                                 # positions [0, kv_start) are the shared prefix: read elsewhere
+        kv_start = tl.load(prefix_len_ptr)
+    first_tile = kv_start // BLOCK_N
+    num_tiles = tl.maximum(tl.cdiv(context_len, BLOCK_N) - first_tile, 0)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_start = split * tiles_per_split
-    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+    tile_start = first_tile + split * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, first_tile + num_tiles)
 
     rows = tl.arange(0, GROUP_PAD)              # the query heads that share this KV head (padded to >= 16)
     heads = kv_head * GROUP + rows
     row_mask = rows < GROUP
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
+    part = (seq * NUM_Q_HEADS + heads) * num_parts + (num_parts - num_splits) + split   # this split's partial slot
     if tile_start >= tile_end:                  # nothing to read: an empty split, or an empty (padding) sequence
         if USE_SPLITS:
-            tl.store(part_lse_ptr + (seq * NUM_Q_HEADS + heads) * num_splits + split,
-                     tl.full([GROUP_PAD], float("-inf"), tl.float32), mask=row_mask)
+            tl.store(part_lse_ptr + part, tl.full([GROUP_PAD], float("-inf"), tl.float32), mask=row_mask)
         else:
             tl.store(out_ptr + seq * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
                      tl.zeros([GROUP_PAD, DIM_PAD], tl.float32).to(out_ptr.dtype.element_ty),
@@ -56,7 +60,7 @@ def _paged_decode_kernel(
     block_table = block_tables_ptr + seq * stride_bt
     for tile in range(tile_start, tile_end):
         pos = tile * BLOCK_N + offs_n
-        valid = pos < context_len
+        valid = (pos >= kv_start) & (pos < context_len)
         block = tl.load(block_table + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         row = pos % PAGE_SIZE
         kv_mask = valid[:, None] & dim_mask[None, :]
@@ -78,7 +82,6 @@ def _paged_decode_kernel(
 
     out = acc / l_i[:, None]
     if USE_SPLITS:
-        part = (seq * NUM_Q_HEADS + heads) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out,
                  mask=row_mask[:, None] & dim_mask[None, :])
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
@@ -87,11 +90,12 @@ def _paged_decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
 # %% auto #0
-__all__ = ['DECODE_BLOCK_N', 'DECODE_NUM_WARPS', 'DECODE_NUM_STAGES', 'MIN_TILES_PER_SPLIT', 'MAX_SPLITS', 'num_sms',
-           'choose_num_splits', 'paged_decode_attention']
+__all__ = ['DECODE_BLOCK_N', 'DECODE_NUM_WARPS', 'DECODE_NUM_STAGES', 'MIN_TILES_PER_SPLIT', 'MAX_SPLITS', 'SHARED_BLOCK_M',
+           'SHARED_BLOCK_N', 'SHARED_NUM_WARPS', 'SHARED_NUM_STAGES', 'MAX_PREFIX_SPLITS', 'num_sms',
+           'choose_num_splits', 'paged_decode_attention', 'choose_prefix_splits']
 
 # %% ../../notebooks/05_paged_attention.ipynb #46778793
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, num_splits, stride_o_tok, stride_o_head,
                          NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                          SPLITS_PAD: tl.constexpr):
@@ -140,10 +144,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
 
 # %% ../../notebooks/05_paged_attention.ipynb #ac7f040f
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
-                           block_tables: torch.Tensor, scale: float, *, num_splits: int | None = None,
-                           block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    "One query token per sequence attends to its `context_lens[i]` cached tokens: q [B, heads, dim] -> [B, heads, dim]."
+                           block_tables: torch.Tensor, scale: float, *, shared_prefix_len: torch.Tensor | None = None,
+                           num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence attends to its `context_lens[i]` cached tokens: q [B, heads, dim] -> [B, heads, dim].
+    With `shared_prefix_len` (a device int32 tensor [1], a multiple of the block size, that every sequence's block
+    table starts with the same blocks for), that prefix is read once for the whole batch (cascade attention)."""
     check_kv_cache(k_cache, v_cache)
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, cache_dim = k_cache.shape
@@ -153,7 +159,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if context_lens.shape != (batch,) or block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise ValueError(f"context_lens {tuple(context_lens.shape)} and block_tables {tuple(block_tables.shape)} "
                          f"must have one row per sequence ({batch})")
-    check_device(q, k_cache, v_cache, context_lens, block_tables)
+    cascade = shared_prefix_len is not None
+    if cascade and (shared_prefix_len.shape != (1,) or shared_prefix_len.dtype != torch.int32):
+        raise ValueError(f"shared_prefix_len must be an int32 tensor of shape (1,), got {shared_prefix_len.dtype} "
+                         f"{tuple(shared_prefix_len.shape)}")
+    check_device(q, k_cache, v_cache, context_lens, block_tables, *([shared_prefix_len] if cascade else []))
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty_like(q) if out is None else out
@@ -164,22 +174,114 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, block_n,
                                        num_sms(q.device))
     group = num_heads // num_kv_heads
-    use_splits = num_splits > 1
+    group_pad = next_pow2(group)
+    block_m = max(SHARED_BLOCK_M, group_pad)
+    q_tiles = triton.cdiv(batch, block_m // group_pad)
+    prefix_parts = choose_prefix_splits(num_kv_heads * q_tiles, num_sms(q.device)) if cascade else 0
+    num_parts = prefix_parts + num_splits
+    use_splits = num_parts > 1
     part_out = part_lse = out  # placeholders when unused
     if use_splits:
-        part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_out = torch.empty(batch, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, num_heads, num_parts, dtype=torch.float32, device=q.device)
+    log2_scale = scale * math.log2(math.e)
+    if cascade:
+        _shared_prefix_kernel[(num_kv_heads, q_tiles, prefix_parts)](
+            part_out, part_lse, q, k_cache, v_cache, block_tables, context_lens, shared_prefix_len, log2_scale, batch,
+            num_parts, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            NUM_Q_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+            DIM_PAD=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=SHARED_BLOCK_N,
+            **dot_options(k_cache.dtype), num_warps=SHARED_NUM_WARPS, num_stages=SHARED_NUM_STAGES)
     _paged_decode_kernel[(num_kv_heads, batch, num_splits)](
-        out, part_out, part_lse, q, k_cache, v_cache, block_tables, context_lens, scale * math.log2(math.e),
-        num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        out, part_out, part_lse, q, k_cache, v_cache, block_tables, context_lens,
+        shared_prefix_len if cascade else context_lens, log2_scale, num_splits, num_parts,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0),
-        NUM_Q_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
+        NUM_Q_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, group_pad), HEAD_DIM=head_dim,
         DIM_PAD=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, BLOCK_N=block_n, USE_SPLITS=use_splits,
-        **dot_options(k_cache.dtype), num_warps=num_warps or DECODE_NUM_WARPS,
+        CASCADE=cascade, **dot_options(k_cache.dtype), num_warps=num_warps or DECODE_NUM_WARPS,
         num_stages=num_stages or DECODE_NUM_STAGES)
     if use_splits:
         _merge_splits_kernel[(num_heads, batch)](
-            out, part_out, part_lse, num_splits, out.stride(0), out.stride(1), NUM_Q_HEADS=num_heads,
-            HEAD_DIM=head_dim, DIM_PAD=next_pow2(head_dim), SPLITS_PAD=next_pow2(num_splits), num_warps=4)
+            out, part_out, part_lse, num_parts, out.stride(0), out.stride(1), NUM_Q_HEADS=num_heads,
+            HEAD_DIM=head_dim, DIM_PAD=next_pow2(head_dim), SPLITS_PAD=next_pow2(num_parts), num_warps=4)
     return out
+
+# %% ../../notebooks/05_paged_attention.ipynb #90c42eac
+SHARED_BLOCK_M = 128         # query rows per program of the shared-prefix kernel: 64 sequences x 2 heads for Qwen3
+SHARED_BLOCK_N = 64
+SHARED_NUM_WARPS = 4
+SHARED_NUM_STAGES = 2
+MAX_PREFIX_SPLITS = 16
+
+
+def choose_prefix_splits(programs: int, sms: int) -> int:
+    "Cut the shared prefix into pieces so that its kernel has about one program per SM (at most MAX_PREFIX_SPLITS)."
+    return max(1, min(-(-sms // max(programs, 1)), MAX_PREFIX_SPLITS))
+
+
+@triton.jit(do_not_specialize=["batch", "num_parts"])
+def _shared_prefix_kernel(
+        part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+        prefix_len_ptr, qk_scale, batch, num_parts, stride_q_tok, stride_q_head,
+        stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok, stride_v_head,
+        NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    kv_head = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    chunk = tl.program_id(2)                    # this program's share of the prefix: partial slot `chunk`
+    num_chunks = tl.num_programs(2)
+    prefix_len = tl.load(prefix_len_ptr)
+    rows = tl.arange(0, BLOCK_M)                # row = sequence * GROUP_PAD + query head within the group
+    seq = q_tile * (BLOCK_M // GROUP_PAD) + rows // GROUP_PAD
+    g = rows % GROUP_PAD
+    heads = kv_head * GROUP + g
+    real = (seq < batch) & (g < GROUP)
+    context_len = tl.load(context_lens_ptr + seq, mask=seq < batch, other=0)
+    row_mask = real & (context_len >= prefix_len)   # padding rows of a CUDA graph (length 0) take no part
+    part = (seq * NUM_Q_HEADS + heads) * num_parts + chunk
+    num_tiles = tl.cdiv(prefix_len, BLOCK_N)
+    per_chunk = tl.cdiv(num_tiles, num_chunks)
+    tile_start = chunk * per_chunk
+    tile_end = tl.minimum(tile_start + per_chunk, num_tiles)
+    dims = tl.arange(0, DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    if tile_start >= tile_end:
+        tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=real)
+        return
+
+    q = tl.load(q_ptr + seq[:, None] * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for tile in range(tile_start, tile_end):
+        pos = tile * BLOCK_N + offs_n
+        valid = pos < prefix_len
+        block = tl.load(block_tables_ptr + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)  # row 0: shared
+        row = pos % PAGE_SIZE
+        k = tl.load(k_cache_ptr + (block * stride_k_block + row * stride_k_tok + kv_head * stride_k_head)[None, :]
+                    + dims[:, None], mask=valid[None, :] & dim_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + (block * stride_v_block + row * stride_v_tok + kv_head * stride_v_head)[:, None]
+                    + dims[None, :], mask=valid[:, None] & dim_mask[None, :], other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_M, BLOCK_N]: many sequences at once
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None],
+             mask=row_mask[:, None] & dim_mask[None, :])
+    tl.store(part_lse_ptr + part, tl.where(row_mask, m_i + tl.log2(l_i), float("-inf")), mask=real)

@@ -16,7 +16,7 @@ __all__ = ['PREFILL_BLOCK_M', 'PREFILL_BLOCK_N', 'PREFILL_NUM_WARPS', 'PREFILL_N
            'varlen_prefill_attention']
 
 # %% ../../notebooks/05_paged_attention.ipynb #9ecc4d4f
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_prefill_kernel(
         out_ptr, q_ptr, k_ptr, v_ptr, cu_seqlens_q_ptr, kv_start_ptr, context_lens_ptr, block_tables_ptr,
         qk_scale, num_seqs, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,

@@ -108,7 +108,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                       softmax_scale=scale, causal=True, block_table=ctx.block_tables)
     if ctx.is_decode_only:
         from minivllm.kernels.paged_decode import paged_decode_attention
-        return paged_decode_attention(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale)
+        return paged_decode_attention(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale,
+                                      shared_prefix_len=ctx.shared_prefix_len)
     from minivllm.kernels.paged_prefill import paged_prefill_attention
     return paged_prefill_attention(q, k_cache, v_cache, cu_q, ctx.context_lens, ctx.block_tables, scale)
 

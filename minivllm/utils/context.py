@@ -19,6 +19,7 @@ class Context:
     slot_mapping: torch.Tensor | None = None   # [N] cache slot of each new token; < 0: do not write
     context_lens: torch.Tensor | None = None   # [B] int32: KV length per sequence after this step
     block_tables: torch.Tensor | None = None   # [B, max_blocks] int32: physical blocks, padded with -1
+    shared_prefix_len: torch.Tensor | None = None  # [1] int32: a decode batch's shared prefix (cascade)
 
 
 _CONTEXT = Context()
