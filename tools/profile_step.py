@@ -1,6 +1,7 @@
 """Where does a step's time go? torch.profiler over prefill and decode steps of minivllm on a GPU.
 
     python tools/profile_step.py [--model PATH] [--batch 256] [--context 1024] [--steps 8] [--eager]
+    python tools/profile_step.py --shared-prefix 1024 --context 300    # prompts = one shared 1,024-token prefix + 300
 
 Builds an LLM on the model (default: Qwen3-0.6B with random weights, see minivllm.bench), admits `--batch` requests
 of `--context` random prompt tokens, runs until every prompt is prefilled, then profiles `--steps` decode steps.
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with (prefix caching)")
     ap.add_argument("--rows", type=int, default=25)
     args = ap.parse_args()
     model = args.model or random_qwen3_folder("/tmp/minivllm-qwen3-0.6b-random")
@@ -33,8 +35,9 @@ def main() -> None:
     engine = llm.llm_engine
     random.seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps * 4 + 64, ignore_eos=True)
+    prefix = [random.randint(0, 10000) for _ in range(args.shared_prefix)]
     for _ in range(args.batch):
-        engine.add_request([random.randint(0, 10000) for _ in range(args.context)], params)
+        engine.add_request(prefix + [random.randint(0, 10000) for _ in range(args.context)], params)
     prefill_steps, start = 0, time.perf_counter()
     engine.step()   # the first prefill step, then one profiled
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
