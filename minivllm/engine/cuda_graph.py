@@ -33,7 +33,8 @@ class CUDAGraphRunner:
                   ("block_tables", torch.int32, (n, width)), ("shared_prefix_len", torch.int32, (1,))]
         sizes = [torch.Size(shape).numel() * dtype_.itemsize for _, dtype_, shape in layout]
         # two host mirrors, used in turn: while one may still be feeding a transfer, the next step fills the other
-        self.hosts = [torch.zeros(sum(sizes), dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        pin = device.type == "cuda"   # (a host-only runner, for tools/host_bench.py, cannot pin)
+        self.hosts = [torch.zeros(sum(sizes), dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self.device_buffer = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
         self.inputs, self.host_inputs, offset = {}, [{}, {}], 0
         for (name, dtype_, shape), size in zip(layout, sizes):

@@ -168,7 +168,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self._counter = itertools.count()
-        self._inflight = None   # (batch, handle, rows): a decode step launched ahead, not yet collected
+        self._inflight = None   # (batch, handle, rows, num_finished): a decode step launched ahead, not yet collected
+        self._watched: set[int] = set()   # seq_ids of the requests that need work per token (text, streaming)
         self._lookahead = c.async_scheduling and self.model_runner.supports_lookahead
         self.stats = EngineStats()
 
@@ -201,6 +202,8 @@ class LLMEngine:
         req = Request(request_id, text, seq, RequestMetrics(seq.arrival_time), detok, stream)
         self.requests[request_id] = self._by_seq[seq.seq_id] = req
         self.scheduler.add(seq)
+        if detok is not None or stream:
+            self._watched.add(seq.seq_id)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -223,6 +226,7 @@ class LLMEngine:
 
     def _forget(self, req: Request) -> None:
         self._by_seq.pop(req.seq.seq_id, None)
+        self._watched.discard(req.seq.seq_id)
         self.model_runner.free_seq(req.seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -241,8 +245,9 @@ class LLMEngine:
                     return []
                 handle, rows = self.model_runner.launch(batch), None
             else:
-                batch, handle, rows = inflight
-                if any(s.is_finished for s in batch.seqs):   # aborted between steps: drop their rows
+                batch, handle, rows, num_finished = inflight
+                if num_finished != self.scheduler.num_finished and any(s.is_finished for s in batch.seqs):
+                    # aborted between steps: drop their rows
                     keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
                     rows = keep if rows is None else [rows[i] for i in keep]
                     batch = ScheduledBatch.decode([batch.seqs[i] for i in keep])
@@ -250,39 +255,49 @@ class LLMEngine:
                         self.model_runner.collect(handle)
                         return []
             start = time.perf_counter()
-            if inflight is None:   # (a step launched ahead only holds sequences scheduled before)
+            if inflight is None and batch.num_prefill_tokens:   # (a sequence is first scheduled for its prompt)
                 for seq in batch.seqs:
                     metrics = self._by_seq[seq.seq_id].metrics
                     metrics.first_scheduled_time = metrics.first_scheduled_time or start
+            num_finished = self.scheduler.num_finished
             ahead = self.scheduler.lookahead(batch) if self._lookahead else None
             ahead_handle = self.model_runner.launch_lookahead(ahead, handle) if ahead else None
             token_ids, logprobs = self.model_runner.collect(handle)
             if rows is not None:   # drop the rows of sequences that finished before this step was collected
                 token_ids = [token_ids[i] for i in rows]
                 logprobs = None if logprobs is None else [logprobs[i] for i in rows]
-            self.scheduler.postprocess(batch, token_ids)
+            finished = self.scheduler.postprocess(batch, token_ids)
             now = time.perf_counter()
             self._count(batch, now - start)
-            sampled = [s for s, m in zip(batch.seqs, batch.sample_mask) if m]
-            outputs = [self._update(self._by_seq[s.seq_id], t, None if logprobs is None else logprobs[i], now)
-                       for i, (s, t) in enumerate(zip(sampled, token_ids))]
+            if logprobs is None and not self._watched and not batch.num_prefill_tokens:
+                # a decode step of requests that need nothing per token: only the finished ones are booked
+                outputs = [self._update(self._by_seq[s.seq_id], s.last_token, None, now) for s in finished]
+            else:
+                outputs = [self._update(self._by_seq[s.seq_id], t, None if logprobs is None else logprobs[i], now)
+                           for i, (s, t) in enumerate(zip(batch.sampled, token_ids))]
             if ahead_handle is not None:
-                alive = [i for i, s in enumerate(ahead) if not s.is_finished]
-                if alive:
-                    seqs = [ahead[i] for i in alive]
-                    self._inflight = (ScheduledBatch.decode(seqs), ahead_handle,
-                                      None if len(alive) == len(ahead) else alive)
+                self._hold(ahead, ahead_handle, num_finished)
             return [o for o in outputs if o is not None]
         except BaseException:
             self.model_runner.synchronize()   # let launched work finish before anything reuses its blocks
             raise
 
+    def _hold(self, ahead: list[Sequence], handle, num_finished: int) -> None:
+        "Keep the step launched ahead for the next `step`, without the sequences that finished since it was planned."
+        rows = None
+        if self.scheduler.num_finished != num_finished:   # some sequence finished: maybe one of `ahead`
+            rows = [i for i, s in enumerate(ahead) if not s.is_finished]
+            if not rows:
+                return
+            rows, ahead = (None, ahead) if len(rows) == len(ahead) else (rows, [ahead[i] for i in rows])
+        self._inflight = (ScheduledBatch.decode(ahead), handle, rows, self.scheduler.num_finished)
+
     def _count(self, batch, seconds: float) -> None:
         stats = self.stats
         stats.num_steps += 1
-        prefill = sum(n for n, p in zip(batch.num_new_tokens, batch.is_prefill) if p)
+        prefill = batch.num_prefill_tokens
         stats.num_prompt_tokens += prefill
-        stats.num_generated_tokens += sum(batch.sample_mask)
+        stats.num_generated_tokens += len(batch.sampled)
         if prefill:
             stats.prefill_time += seconds
         else:

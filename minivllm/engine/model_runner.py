@@ -107,44 +107,61 @@ def prepare_decode(seqs: list[Sequence], block_size: int, tables: BlockTables | 
     """The host arrays of a step where every sequence computes exactly its last token. With `ahead`, the step after
     the one in flight (notebook 09): each sequence computes the token being sampled for it right now, at position
     `len(token_ids)`; its id is not known yet, so `input_ids` holds zeros that the device overwrites."""
-    positions = [len(s.token_ids) - 1 + ahead for s in seqs]
-    slots = [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(seqs, positions)]
-    context_lens = np.asarray(positions, dtype=np.int32) + 1
-    input_ids = np.zeros(len(seqs), dtype=np.int64) if ahead else np.asarray([s.token_ids[-1] for s in seqs],
-                                                                              dtype=np.int64)
+    n = len(seqs)
+    positions = np.array([len(s.token_ids) for s in seqs], dtype=np.int64) - (0 if ahead else 1)
+    block_tables = block_table_array(seqs) if tables is None else tables.array(seqs)
+    blocks = block_tables[np.arange(n), positions // block_size].astype(np.int64)
+    context_lens = (positions + 1).astype(np.int32)
+    input_ids = np.zeros(n, dtype=np.int64) if ahead else np.array([s.token_ids[-1] for s in seqs], dtype=np.int64)
     return StepInputs(
-        input_ids=input_ids, positions=np.asarray(positions, dtype=np.int64),
-        slot_mapping=np.asarray(slots, dtype=np.int64),
-        cu_seqlens_q=np.arange(len(seqs) + 1, dtype=np.int32), cu_seqlens_k=_cumsum0(context_lens),
-        context_lens=context_lens, block_tables=block_table_array(seqs) if tables is None else tables.array(seqs),
-        logits_indices=np.arange(len(seqs), dtype=np.int64),
+        input_ids=input_ids, positions=positions, slot_mapping=blocks * block_size + positions % block_size,
+        cu_seqlens_q=np.arange(n + 1, dtype=np.int32), cu_seqlens_k=_cumsum0(context_lens),
+        context_lens=context_lens, block_tables=block_tables, logits_indices=np.arange(n, dtype=np.int64),
         max_seqlen_q=1, max_seqlen_k=int(context_lens.max()), is_decode_only=True)
 
 # %% ../../notebooks/08_model_runner.ipynb #cfd39563
 class BlockTables:
-    "Each running sequence's block table as a numpy row, updated only where it grew."
+    "Each running sequence's block table as a row of one numpy array, updated only where it grew."
 
-    def __init__(self, max_blocks: int):
-        self.max_blocks = max_blocks
-        self.rows: dict[int, tuple[np.ndarray, int, int]] = {}   # seq_id -> (row, entries written, preemptions)
+    def __init__(self, max_blocks: int, num_rows: int = 16):
+        self.table = np.full((num_rows, max_blocks), -1, dtype=np.int32)
+        self.free_rows = list(range(num_rows - 1, -1, -1))
+        self.rows: dict[int, tuple[int, int, int]] = {}   # seq_id -> (row, entries written, preemptions)
 
     def array(self, seqs: list[Sequence]) -> np.ndarray:
         "The sequences' tables as one [B, W] int32 array (W: the longest table), padded with -1."
-        rows, width = [], 1
+        rows, width, get = [], 1, self.rows.get
         for seq in seqs:
-            table = seq.block_table
-            row, written, preemptions = self.rows.get(seq.seq_id, (None, 0, -1))
-            if row is None or preemptions != seq.num_preemptions or written > len(table):
-                row, written = np.full(self.max_blocks, -1, dtype=np.int32), 0
-            if written != len(table):
-                row[written:len(table)] = table[written:]
-                self.rows[seq.seq_id] = (row, len(table), seq.num_preemptions)
-            rows.append(row)
-            width = max(width, len(table))
-        return np.stack(rows)[:, :width]
+            row = get(seq.seq_id)
+            n = len(seq.block_table)
+            if row is None or row[1] != n or row[2] != seq.num_preemptions:
+                row = self._update(seq)
+            rows.append(row[0])
+            if n > width:
+                width = n
+        return self.table[np.array(rows), :width]
+
+    def _update(self, seq: Sequence) -> tuple[int, int, int]:
+        "Write the new entries of the sequence's row (all of it for a new row, or after a preemption freed its blocks)."
+        table = seq.block_table
+        row, written, preemptions = self.rows.get(seq.seq_id) or (self._take_row(), 0, -1)
+        if preemptions != seq.num_preemptions or written > len(table):
+            self.table[row], written = -1, 0
+        self.table[row, written:len(table)] = table[written:]
+        self.rows[seq.seq_id] = entry = (row, len(table), seq.num_preemptions)
+        return entry
+
+    def _take_row(self) -> int:
+        if not self.free_rows:   # full: twice as many rows
+            n = len(self.table)
+            self.table = np.concatenate([self.table, np.full_like(self.table, -1)])
+            self.free_rows = list(range(2 * n - 1, n - 1, -1))
+        return self.free_rows.pop()
 
     def free(self, seq_id: int) -> None:
-        self.rows.pop(seq_id, None)
+        entry = self.rows.pop(seq_id, None)
+        if entry is not None:
+            self.free_rows.append(entry[0])
 
 # %% ../../notebooks/08_model_runner.ipynb #a841431d
 def kv_block_bytes(hf_config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -250,7 +267,7 @@ class ModelRunner:
         try:   # a failure from here on (a cache too small, out of memory) must not keep the weights alive
             self.sampler = Sampler()
             self.generators = SeedGenerators(self.device)
-            self.tables = BlockTables(-(-config.max_model_len // self.block_size))
+            self.tables = BlockTables(-(-config.max_model_len // self.block_size), config.max_num_seqs)
             self._sampling: tuple[list[SamplingParams], SamplingTensors | None, bool] = ([], None, False)
             self.last_wait_s, self.last_decode_only = 0.0, False   # for benchmarks: the last step's device wait
             self.num_blocks = self.size_kv_cache()
@@ -311,10 +328,10 @@ class ModelRunner:
         return value.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else value
 
     def sampling_tensors(self, params: list[SamplingParams]) -> tuple[SamplingTensors, bool]:
-        """The batch's sampling tensors and whether any row has its own seed, reused while the batch holds the same
-        requests (most decode steps)."""
+        """The batch's sampling tensors and whether any row has its own seed, reused while the batch's parameters stay the
+        same (most decode steps: a list comparison of the same objects, in C)."""
         cached_params, cached, seeded = self._sampling
-        if len(cached_params) != len(params) or any(a is not b for a, b in zip(cached_params, params)):
+        if params != cached_params:
             cached = SamplingTensors.from_params(params, self.device)
             seeded = any(p.seed is not None and not p.greedy for p in params)
             self._sampling = (params, cached, seeded)
@@ -336,8 +353,7 @@ class ModelRunner:
 
     def launch(self, batch: ScheduledBatch) -> StepHandle:
         "Queue one scheduled step."
-        sampled = [s for s, m in zip(batch.seqs, batch.sample_mask) if m]
-        return self._launch(prepare_step(batch, self.block_size, self.tables), sampled)
+        return self._launch(prepare_step(batch, self.block_size, self.tables), batch.sampled)
 
     def launch_lookahead(self, seqs: list[Sequence], previous: StepHandle) -> StepHandle:
         """Queue the decode step after `previous` before its tokens reach the host: `seqs` (a subsequence of the

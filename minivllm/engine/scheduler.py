@@ -21,6 +21,8 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)  # pushed out of memory while this step was scheduled
     sample_mask: list[bool] = field(init=False)              # the step reaches the end: sample a new token
     is_prefill: list[bool] = field(init=False)               # prompt (or recomputed) tokens, not a decode
+    sampled: list[Sequence] = field(init=False, repr=False)  # the sequences of sample_mask, in order
+    num_prefill_tokens: int = field(init=False, repr=False)  # new tokens of the is_prefill sequences
 
     def __post_init__(self):
         if len(self.seqs) != len(self.num_new_tokens):
@@ -28,6 +30,8 @@ class ScheduledBatch:
         self.sample_mask = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
         self.is_prefill = [not (n == 1 and s.num_prompt_tokens <= s.num_computed_tokens == s.num_tokens - 1)
                            for s, n in zip(self.seqs, self.num_new_tokens)]
+        self.sampled = [s for s, m in zip(self.seqs, self.sample_mask) if m]
+        self.num_prefill_tokens = sum(n for n, p in zip(self.num_new_tokens, self.is_prefill) if p)
 
     @classmethod
     def decode(cls, seqs: list[Sequence]) -> ScheduledBatch:
@@ -36,6 +40,7 @@ class ScheduledBatch:
         n = len(seqs)
         batch.seqs, batch.num_new_tokens, batch.preempted = seqs, [1] * n, []
         batch.sample_mask, batch.is_prefill = [True] * n, [False] * n
+        batch.sampled, batch.num_prefill_tokens = seqs, 0
         return batch
 
     def __len__(self) -> int:
@@ -48,7 +53,7 @@ class ScheduledBatch:
     @property
     def is_decode_only(self) -> bool:
         "Every sequence computes exactly one token (the shape CUDA graphs are captured for)."
-        return bool(self.seqs) and all(n == 1 for n in self.num_new_tokens)
+        return bool(self.seqs) and self.num_new_tokens.count(1) == len(self.num_new_tokens)
 
     @property
     def num_preempted(self) -> int:
@@ -66,7 +71,7 @@ def check_stop(seq: Sequence, token_id: int, eos_token_ids: frozenset[int], max_
         return "stop", None
     if token_id in params.stop_token_ids:
         return "stop", token_id
-    if params.max_tokens is not None and seq.num_completion_tokens >= params.max_tokens:
+    if seq.num_tokens >= seq.max_num_tokens:   # max_tokens generated
         return "length", None
     if seq.num_tokens >= max_model_len:
         return "length", None
@@ -117,6 +122,7 @@ class Scheduler:
         self.running: list[Sequence] = []   # in admission order
         self._seq_ids: set[int] = set()     # every unfinished sequence, waiting or running
         self.num_preemptions = 0
+        self.num_finished = 0               # sequences ended, for any reason (the engine watches it)
 
     def __repr__(self) -> str:
         return (f"Scheduler({len(self.waiting)} waiting, {len(self.running)} running, "
@@ -156,6 +162,7 @@ class Scheduler:
         self._seq_ids.discard(seq.seq_id)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+        self.num_finished += 1
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
     def abort(self, seq: Sequence) -> None:
@@ -261,8 +268,10 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
         """Advance each sequence past the step's tokens, register its full blocks in the prefix cache, append the
         sampled token (one per True in `batch.sample_mask`, in order), apply the stop rules; return the finished."""
-        if len(token_ids) != sum(batch.sample_mask):
-            raise ValueError(f"expected {sum(batch.sample_mask)} sampled token ids, got {len(token_ids)}")
+        if len(token_ids) != len(batch.sampled):
+            raise ValueError(f"expected {len(batch.sampled)} sampled token ids, got {len(token_ids)}")
+        if not any(batch.is_prefill):
+            return self._postprocess_decode(batch.seqs, list(map(int, token_ids)))
         finished, sampled = [], iter(token_ids)
         for seq, n, sample in zip(batch.seqs, batch.num_new_tokens, batch.sample_mask):
             token_id = int(next(sampled)) if sample else None
@@ -280,6 +289,26 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def _postprocess_decode(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """`postprocess` of a step where each sequence computed its last token and sampled one (the hot path): the stop
+        rules run only for a token or a length they may apply to."""
+        finished, bs, limit, eos = [], self.block_size, self.max_model_len, self.eos_token_ids
+        for seq, token_id in zip(seqs, token_ids):
+            if seq.status is SequenceStatus.FINISHED:   # aborted while the step ran
+                continue
+            seq.num_computed_tokens += 1
+            if seq.num_computed_tokens // bs > len(seq.block_hashes):   # a block just filled up
+                self.block_manager.commit(seq)
+            seq.token_ids.append(token_id)
+            n = len(seq.token_ids)
+            if (n >= seq.max_num_tokens or n >= limit or token_id in eos
+                    or token_id in seq.sampling_params.stop_token_ids):
+                reason, stop_reason = check_stop(seq, token_id, eos, limit)
+                if reason is not None:
+                    self.finish(seq, reason, stop_reason)
+                    finished.append(seq)
+        return finished
+
     def lookahead(self, batch: ScheduledBatch) -> list[Sequence] | None:
         """The decode step after `batch`, planned while `batch` still runs on the device: the sequences that will
         decode the token `batch` is sampling for them (its value is not known yet, only that it will exist), with
@@ -290,16 +319,17 @@ class Scheduler:
         if (self.policy != "mixed" or not batch.is_decode_only or len(batch.seqs) != len(self.running)
                 or (self.waiting and len(self.running) < self.max_num_seqs)):
             return None
-        bs, limit, nxt, need = self.block_size, self.max_model_len - 1, [], 0
+        bs, limit, nxt, grow = self.block_size, self.max_model_len - 1, [], []
         for seq in batch.seqs:
-            n, max_tokens = len(seq.token_ids), seq.sampling_params.max_tokens
-            if n >= limit or (max_tokens is not None and n - seq.num_prompt_tokens + 1 >= max_tokens):
+            n = len(seq.token_ids)
+            if n >= limit or n + 1 >= seq.max_num_tokens:
                 continue   # `batch` finishes it by length
-            need += n // bs >= len(seq.block_table)   # its next token starts a new block
+            if n // bs >= len(seq.block_table):   # its next token starts a new block
+                grow.append(seq)
             nxt.append(seq)
-        if not nxt or need > self.block_manager.num_free_blocks:
+        if not nxt or len(grow) > self.block_manager.num_free_blocks:
             return None
-        for seq in nxt:
+        for seq in grow:
             self.block_manager.reserve(seq, seq.num_tokens + 1)
         return nxt
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from enum import Enum, auto
 
@@ -32,6 +33,8 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params or SamplingParams()
+        max_tokens = self.sampling_params.max_tokens   # (a copy: the length at which max_tokens ends it)
+        self.max_num_tokens = sys.maxsize if max_tokens is None else self.num_prompt_tokens + max_tokens
         self.block_size = block_size
         self.num_computed_tokens = 0       # leading tokens whose K/V are in the cache
         self.num_cached_tokens = 0         # of those, found in the prefix cache at admission
@@ -79,7 +82,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED
 
     @property
     def num_blocks(self) -> int:
