@@ -3,11 +3,11 @@
 # %% ../../notebooks/02_block_manager.ipynb #cb7033c1
 from __future__ import annotations
 
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
 from numbers import Integral
 
-import numpy as np
 import xxhash
 
 from .sequence import Sequence
@@ -66,11 +66,10 @@ class FreeBlockQueue:
 # %% ../../notebooks/02_block_manager.ipynb #53241332
 def compute_block_hash(token_ids: list[int], prefix_hash: int = -1) -> int:
     "Chained hash of one full block: xxh64 of the previous block's hash (if any) and the block's token ids."
-    h = xxhash.xxh64()
+    data = array("q", token_ids).tobytes()   # the ids as int64 bytes
     if prefix_hash != -1:
-        h.update(prefix_hash.to_bytes(8, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.intdigest()
+        data = prefix_hash.to_bytes(8, "little") + data
+    return xxhash.xxh64_intdigest(data)
 
 # %% ../../notebooks/02_block_manager.ipynb #e4a51d1e
 def _check_int(name: str, value, minimum: int) -> None:
@@ -94,6 +93,8 @@ class BlockManager:
         self.free_blocks = FreeBlockQueue(range(self.num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
         self._hash_memo: dict[int, list[int]] = {}   # seq_id -> hashes of its full blocks, until it is admitted
+        self._cache_version = 0        # bumped whenever the prefix cache changes
+        self._last_hits: tuple = (None, -1, [])   # ((seq_id, num_tokens), version, hits): asked several times
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_cache_hits = 0     # of those, tokens found there
 
@@ -120,6 +121,7 @@ class BlockManager:
 
     def _uncache(self, block: Block) -> None:
         if block.hash != -1:
+            self._cache_version += 1
             del self.hash_to_block_id[block.hash]
             block.hash, block.token_ids = -1, []
 
@@ -133,6 +135,9 @@ class BlockManager:
         "(block id, hash) of the sequence's leading full blocks found in the prefix cache, leaving >= 1 token."
         if not self.enable_prefix_caching:
             return []
+        key, version, hits = self._last_hits
+        if key == (seq.seq_id, seq.num_tokens) and version == self._cache_version:
+            return hits
         hits, h = [], -1
         memo = self._hash_memo.setdefault(seq.seq_id, [])   # a waiting sequence's chained hashes, computed once
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -144,6 +149,7 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].token_ids != token_ids:
                 break
             hits.append((block_id, h))
+        self._last_hits = ((seq.seq_id, seq.num_tokens), self._cache_version, hits)
         return hits
 
     def num_cache_hit_blocks(self, seq: Sequence) -> int:
@@ -185,6 +191,7 @@ class BlockManager:
             token_ids = seq.block(i)
             h = compute_block_hash(token_ids, seq.block_hashes[-1] if seq.block_hashes else -1)
             if h not in self.hash_to_block_id:  # else a twin computed at the same time keeps the entry
+                self._cache_version += 1
                 block = self.blocks[seq.block_table[i]]
                 block.hash, block.token_ids = h, token_ids
                 self.hash_to_block_id[h] = block.block_id

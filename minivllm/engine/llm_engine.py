@@ -64,11 +64,12 @@ def prompt_token_ids(prompt: PromptType, tokenizer, vocab_size: int, max_model_l
                              "pass token ids")
         text, ids = prompt, tokenizer.encode(prompt)
     elif isinstance(prompt, (list, tuple)):
-        if not all(type(t) is int for t in prompt):   # the common case, fast; then numpy ints and such, slowly
-            bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, Integral)), None)
+        text, ids = None, list(prompt)
+        if set(map(type, ids)) != {int}:   # plain ints: one pass in C; numpy ints and such: the slow path
+            bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)), None)
             if bad is not None:
                 raise TypeError(f"{name}: token ids must be ints, got {type(bad).__name__} {bad!r}")
-        text, ids = None, [int(t) for t in prompt]
+            ids = [int(t) for t in ids]
         if ids and not (0 <= min(ids) and max(ids) < vocab_size):
             bad = next(t for t in ids if not 0 <= t < vocab_size)
             raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
