@@ -20,6 +20,57 @@ from minivllm import LLM, SamplingParams
 from minivllm.bench import random_qwen3_folder
 
 
+PHASES = [  # (label, owner, attribute): the host work of one decode step, phase by phase
+    ("scheduling: plan the next step (Scheduler.lookahead)", "scheduler", "lookahead"),
+    ("input preparation (prepare_decode)", "model_runner_module", "prepare_decode"),
+    ("graph replay: fill the pinned buffer, copy, launch", "graphs", "replay"),
+    ("  of which cudaGraphLaunch (the driver)", "cuda_graph_class", "replay"),
+    ("logits launch (lm_head)", "model", "compute_logits"),
+    ("sampler launch", "model_runner", "sampler"),
+    ("bookkeeping: tokens into sequences, stop rules (postprocess)", "scheduler", "postprocess"),
+]
+
+
+def host_breakdown(engine, steps: int) -> None:
+    "Time each phase of the host's work per decode step by wrapping the methods that do it (wall-clock, no profiler)."
+    import minivllm.engine.model_runner as mr
+    owners = dict(scheduler=engine.scheduler, model_runner=engine.model_runner, model_runner_module=mr,
+                  graphs=engine.model_runner.graphs, cuda_graph_class=torch.cuda.CUDAGraph,
+                  model=engine.model_runner.model)
+    totals, originals = {}, []
+    for label, owner_name, attr in PHASES:
+        owner = owners[owner_name]
+        if owner is None:
+            continue
+        fn = getattr(owner, attr)
+        totals[label] = 0.0
+
+        def timed(*a, _fn=fn, _label=label, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                totals[_label] += time.perf_counter() - t0
+        originals.append((owner, attr, attr in vars(owner), vars(owner).get(attr)))
+        setattr(owner, attr, timed)
+    waits, start = [], time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+        waits.append(engine.model_runner.last_wait_s)
+    wall = time.perf_counter() - start
+    for owner, attr, own, original in reversed(originals):
+        if own:
+            setattr(owner, attr, original)
+        else:
+            delattr(owner, attr)
+    host = (wall - sum(waits)) / steps
+    print(f"host time per decode step at batch {len(engine.scheduler.running)}: {host * 1e3:.3f} ms, by phase:")
+    for label, total in totals.items():
+        print(f"  {label:62} {total / steps * 1e3:.3f} ms")
+    rest = host - sum(t for label, t in totals.items() if not label.startswith("  ")) / steps
+    print(f"  {'the rest (engine.step, outputs, collect without the wait)':62} {rest * 1e3:.3f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -66,6 +117,7 @@ def main() -> None:
     wall = (time.perf_counter() - start) / args.steps
     print(f"decode at batch {len(engine.scheduler.running)}: {wall * 1e3:.2f} ms/step wall, "
           f"host {(wall - sum(waits) / len(waits)) * 1e3:.2f} ms/step (wall minus the wait for the GPU)")
+    host_breakdown(engine, args.steps)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             engine.step()
