@@ -371,7 +371,8 @@ def test_shared_prefix_len_and_use_cascade():
     assert shared_prefix_len(tables[:1], np.array([12]), 4) == 0           # one sequence: nothing to share
     assert shared_prefix_len(np.array([[1, 2], [3, 2]], dtype=np.int32), np.array([8, 8]), 4) == 0
     assert shared_prefix_len(np.array([[1, 2], [1, 2]], dtype=np.int32), np.array([8, 5]), 4) == 4
-    assert use_cascade(256, 1024) and use_cascade(65, 1024) and not use_cascade(64, 1024)
+    assert use_cascade(256, 1024) and use_cascade(193, 1024) and not use_cascade(192, 1024)
+    assert use_cascade(128, 2048) and not use_cascade(128, 1024)
     assert not use_cascade(256, CASCADE_MIN_PREFIX - 16) and not use_cascade(1, 4096)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 CASCADE_MIN_PREFIX = 256     # tokens: a shorter shared prefix is not worth two more kernels per layer
-CASCADE_MIN_SAVED = 65536    # tokens of K/V per KV head that the cascade saves reading, (batch - 1) x prefix
+CASCADE_MIN_SAVED = 196608   # tokens of K/V per KV head that the cascade saves reading, (batch - 1) x prefix
 
 
 def shared_prefix_len(block_tables: np.ndarray, context_lens: np.ndarray, block_size: int) -> int:
