@@ -23,7 +23,8 @@ if not torch.cuda.is_available():  # Triton decides when a kernel is defined: be
 import pytest  # noqa: E402
 
 from minivllm.kernels.bench import bench_copy, bench_decode  # noqa: E402
-from minivllm.kernels.cascade import CASCADE_MIN_PREFIX, shared_prefix_len, use_cascade  # noqa: E402
+from minivllm.kernels.cascade import (CASCADE_MIN_PREFIX, cascade_prefix_len, shared_prefix_len,  # noqa: E402
+                                      use_cascade)
 from minivllm.kernels.paged_decode import MAX_SPLITS, choose_num_splits, paged_decode_attention  # noqa: E402
 from minivllm.kernels.paged_prefill import paged_prefill_attention, varlen_prefill_attention  # noqa: E402
 from minivllm.kernels.reference import paged_attention_ref, store_kvcache_ref, varlen_attention_ref  # noqa: E402
@@ -373,6 +374,9 @@ def test_shared_prefix_len_and_use_cascade():
     assert shared_prefix_len(np.array([[1, 2], [1, 2]], dtype=np.int32), np.array([8, 5]), 4) == 4
     assert use_cascade(256, 1024) and use_cascade(193, 1024) and not use_cascade(192, 1024)
     assert use_cascade(128, 2048) and not use_cascade(128, 1024)
+    shared = np.column_stack([np.full(256, 3), np.full(256, 4), np.arange(10, 266)]).astype(np.int32)
+    assert cascade_prefix_len(shared, np.full(256, 1100), 512) == 1024                  # pays: read it once
+    assert cascade_prefix_len(shared[:64], np.full(64, 1100), 512) == 0                 # too few sequences
     assert not use_cascade(256, CASCADE_MIN_PREFIX - 16) and not use_cascade(1, 4096)
 
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
 from minivllm.engine.cuda_graph import CUDAGraphRunner
+from minivllm.kernels.cascade import use_cascade
 
 
 class StubModel(nn.Module):
@@ -65,11 +66,17 @@ class _NoGraph:
 
 def host_graph_runner(model: nn.Module, config) -> CUDAGraphRunner:
     "A `CUDAGraphRunner` on the CPU: its buffers in host memory, its graphs no-ops (nothing is recorded)."
+    def no_capture(self, model, cascade):   # the same graph sets as a GPU runner's, recording nothing
+        self.graphs.update({b: _NoGraph() for b in self.batch_sizes})
+        if cascade:
+            self.cascade_graphs.update({b: _NoGraph() for b in self.batch_sizes if use_cascade(b, self.max_model_len)})
+
     capture = CUDAGraphRunner.capture
-    CUDAGraphRunner.capture = lambda self, model: self.graphs.update({b: _NoGraph() for b in self.batch_sizes})
-    try:
+    CUDAGraphRunner.capture = no_capture
+    try:   # cascade as on a GPU with prefix caching (the Triton backend)
         return CUDAGraphRunner(model, config.max_num_seqs, config.max_model_len, config.block_size,
-                               config.hf_config.hidden_size, config.torch_dtype, torch.device("cpu"))
+                               config.hf_config.hidden_size, config.torch_dtype, torch.device("cpu"),
+                               cascade=config.enable_prefix_caching)
     finally:
         CUDAGraphRunner.capture = capture
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.cascade import shared_prefix_len, use_cascade
+from ..kernels.cascade import cascade_prefix_len, use_cascade
 from ..utils.context import Context, reset_context, set_context
 
 
@@ -92,10 +92,10 @@ class CUDAGraphRunner:
         h["context_lens"][:num_seqs] = x.context_lens
         h["context_lens"][num_seqs:bs] = 0
         h["block_tables"][:num_seqs, :x.block_tables.shape[1]] = x.block_tables
-        prefix = shared_prefix_len(x.block_tables, x.context_lens, self.block_size) if self.cascade_graphs else 0
+        prefix = cascade_prefix_len(x.block_tables, x.context_lens, self.block_size) if self.cascade_graphs else 0
         h["shared_prefix_len"][0] = prefix
         self.device_buffer.copy_(host, non_blocking=True)
         if input_ids is not None:
             self.inputs["input_ids"][:num_seqs].copy_(input_ids)
-        (self.cascade_graphs if use_cascade(num_seqs, prefix) else self.graphs)[bs].replay()
+        (self.cascade_graphs if prefix else self.graphs)[bs].replay()
         return self.hidden[:num_seqs]

@@ -14,7 +14,7 @@ from ..config import Config
 from .cuda_graph import CUDAGraphRunner
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
-from ..kernels.cascade import shared_prefix_len, use_cascade
+from ..kernels.cascade import cascade_prefix_len
 from ..layers.attention import Attention, select_backend
 from ..layers.sampler import Sampler, SamplingTensors, SeedGenerators, gather_logprobs
 from ..models.qwen3 import Qwen3ForCausalLM
@@ -321,8 +321,8 @@ class ModelRunner:
         "For an eager decode step: the batch's shared prefix length on the device, if a cascade pays (else None)."
         if not (self.cascade and x.is_decode_only):
             return None
-        prefix = shared_prefix_len(x.block_tables, x.context_lens, self.block_size)
-        if not use_cascade(x.num_seqs, prefix):
+        prefix = cascade_prefix_len(x.block_tables, x.context_lens, self.block_size)
+        if not prefix:
             return None
         value = torch.tensor([prefix], dtype=torch.int32)
         return value.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else value

@@ -23,5 +23,11 @@ def use_cascade(batch: int, prefix_len: int) -> bool:
     "Whether reading a shared prefix once (two more kernels per layer) beats every sequence reading it."
     return prefix_len >= CASCADE_MIN_PREFIX and (batch - 1) * prefix_len >= CASCADE_MIN_SAVED
 
+
+def cascade_prefix_len(block_tables: np.ndarray, context_lens: np.ndarray, block_size: int) -> int:
+    "The shared prefix a decode batch should read once (the runner's question), or 0 when it would not pay."
+    prefix = shared_prefix_len(block_tables, context_lens, block_size)
+    return prefix if use_cascade(len(block_tables), prefix) else 0
+
 # %% auto #0
-__all__ = ['CASCADE_MIN_PREFIX', 'CASCADE_MIN_SAVED', 'shared_prefix_len', 'use_cascade']
+__all__ = ['CASCADE_MIN_PREFIX', 'CASCADE_MIN_SAVED', 'shared_prefix_len', 'use_cascade', 'cascade_prefix_len']
