@@ -1,4 +1,4 @@
-"""The attention context, the PyTorch reference (proved against dense causal attention) and the `Attention` layer.
+"""The attention metadata, the PyTorch reference (proved against dense causal attention) and the `Attention` layer.
 
 The batched CPU implementation of the `torch` backend (kernels/torch_attention.py) is proved equal to the reference on
 mixed batches (decode rows, prefill chunks over cached prefixes, fresh prompts), with one and many decode groups.
@@ -26,19 +26,17 @@ from minivllm.kernels.reference import (causal_attention_ref, gather_kv, paged_a
 from minivllm.kernels.torch_attention import (causal_attention_sdpa, decode_groups, gather_padded_kv,  # noqa: E402
                                               paged_attention_torch, paged_decode_torch, store_kvcache_torch,
                                               varlen_attention_torch)
-from minivllm.layers.attention import BACKEND_ENV, Attention, flash_attn_available, select_backend  # noqa: E402
-from minivllm.utils.context import Context, get_context, make_context, reset_context, set_context  # noqa: E402
+from minivllm.kernels import backends  # noqa: E402
+from minivllm.kernels.backends import BACKEND_ENV, flash_attn_available, select_backend  # noqa: E402
+from minivllm.layers.attention import Attention, AttentionMetadata  # noqa: E402
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True)
-def _clean_context(monkeypatch):
+def _clean_backend_env(monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    reset_context()
-    yield
-    reset_context()
 
 
 def dense_causal(q, k, v, scale):
@@ -66,13 +64,13 @@ class Step:
             for p in range(n - m):
                 self.k_cache[table[p // block_size], p % block_size] = k[p]
                 self.v_cache[table[p // block_size], p % block_size] = v[p]
-        self.ctx = make_context(q_lens, ctx_lens, self.tables, block_size)
+        self.ctx = AttentionMetadata.build(q_lens, ctx_lens, self.tables, block_size)
         self.q, self.k, self.v = (torch.cat([f[i][n - m:] for f, n, m in zip(self.full, ctx_lens, q_lens)])
                                   for i in range(3))
         if device != "cpu":
             for name in ("k_cache", "v_cache", "q", "k", "v"):
                 setattr(self, name, getattr(self, name).to(device))
-            self.ctx = make_context(q_lens, ctx_lens, self.tables, block_size, device=device)
+            self.ctx = AttentionMetadata.build(q_lens, ctx_lens, self.tables, block_size, device=device)
 
     def dense(self):
         "The step's expected output, from naive dense attention over each whole sequence."
@@ -83,10 +81,10 @@ class Step:
 MIXED = dict(q_lens=[1, 5, 6, 1, 11], ctx_lens=[7, 9, 6, 1, 30])   # decode, chunk over a prefix, fresh prompts
 
 
-# ---------------------------------------------------------------- context
+# ---------------------------------------------------------------- metadata
 
-def test_make_context_running_example():
-    ctx = make_context([1, 5, 6], [7, 9, 6], [[3, 9], [5, 2, 7], [0, 11]], 4)
+def test_attention_metadata_build_running_example():
+    ctx = AttentionMetadata.build([1, 5, 6], [7, 9, 6], [[3, 9], [5, 2, 7], [0, 11]], 4)
     assert not ctx.is_decode_only
     assert ctx.cu_seqlens_q.tolist() == [0, 1, 6, 12] and ctx.cu_seqlens_k.tolist() == [0, 7, 16, 22]
     assert (ctx.max_seqlen_q, ctx.max_seqlen_k) == (6, 9)
@@ -94,28 +92,20 @@ def test_make_context_running_example():
     assert ctx.context_lens.tolist() == [7, 9, 6]
     assert ctx.block_tables.tolist() == [[3, 9, -1], [5, 2, 7], [0, 11, -1]]
     assert ctx.cu_seqlens_q.dtype == ctx.context_lens.dtype == ctx.block_tables.dtype == torch.int32
-    assert make_context([1, 1], [3, 8], [[0], [1, 2]], 4).is_decode_only
+    assert AttentionMetadata.build([1, 1], [3, 8], [[0], [1, 2]], 4).is_decode_only
 
 
-def test_make_context_rejects_bad_input():
-    with pytest.raises(ValueError, match="one entry per sequence"):
-        make_context([1], [3, 4], [[0]], 4)
-    with pytest.raises(ValueError, match="query_len <= context_len"):
-        make_context([5], [3], [[0]], 4)
-    with pytest.raises(ValueError, match="cannot hold"):
-        make_context([1], [9], [[0, 1]], 4)
-
-
-def test_set_get_reset_context():
-    assert get_context() == Context()
-    ctx = make_context([1], [3], [[2]], 4)
-    assert set_context(ctx) is ctx and get_context() is ctx
-    made = set_context(True, slot_mapping=torch.tensor([3]))
-    assert get_context() is made and made.is_decode_only and made.slot_mapping.tolist() == [3]
-    with pytest.raises(TypeError):
-        set_context(ctx, slot_mapping=None)
-    reset_context()
-    assert get_context().slot_mapping is None and not get_context().is_decode_only
+def test_attention_metadata_defaults_and_decode_only():
+    "Metadata is a plain value passed to each forward: only the cu_seqlens and the maxima are required."
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    meta = AttentionMetadata(cu, cu, 3, 3)
+    assert meta.slot_mapping is None and meta.context_lens is None and meta.block_tables is None
+    assert meta.shared_prefix_len is None and not meta.is_decode_only
+    one = AttentionMetadata.build([1], [3], [[2]], 4)
+    assert one.is_decode_only and one.slot_mapping.tolist() == [2 * 4 + 2]
+    assert one.block_tables.tolist() == [[2]] and one.context_lens.tolist() == [3]
+    empty = AttentionMetadata.build([], [], [], 4)
+    assert empty.cu_seqlens_q.tolist() == [0] and tuple(empty.block_tables.shape) == (0, 0)
 
 
 # ---------------------------------------------------------------- the reference, proved
@@ -309,6 +299,7 @@ def test_torch_backend_on_cuda_matches_reference():
 # ---------------------------------------------------------------- backend choice
 
 def test_select_backend(monkeypatch):
+    "TRITON_INTERPRET is read once, at import (backends.INTERPRET): the test sets that flag, not the variable."
     assert select_backend("cpu") == "torch"
     assert select_backend("cpu", 256) == "torch"
     assert select_backend("cpu", 16, "torch") == "torch"
@@ -321,9 +312,9 @@ def test_select_backend(monkeypatch):
         select_backend("cpu")
     monkeypatch.setenv(BACKEND_ENV, "torch")
     assert select_backend("cpu") == "torch"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(backends, "INTERPRET", True)
     assert select_backend("cpu", 16, "triton") == "triton"   # for tests: Triton's interpreter
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(backends, "INTERPRET", False)
     with pytest.raises(ValueError, match="need a CUDA device"):
         select_backend("cpu", 16, "triton")
 
@@ -341,46 +332,27 @@ def test_select_backend_on_cuda():
 
 # ---------------------------------------------------------------- the layer
 
-def test_attention_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        Attention(6, 8, 0.3, 4)
-    with pytest.raises(ValueError, match="num_heads must be a positive int"):
-        Attention(0, 8, 0.3, 1)
-    with pytest.raises(ValueError, match="unknown attention backend"):
-        Attention(4, 8, 0.3, 2, backend="cuda")
-    attn = Attention(4, 8, 0.3, 2)
-    with pytest.raises(ValueError, match=r"q \[N, 4, 8\]"):
-        attn(torch.zeros(3, 2, 8), torch.zeros(3, 2, 8), torch.zeros(3, 2, 8))
-    with pytest.raises(ValueError, match="k, v"):
-        attn(torch.zeros(3, 4, 8), torch.zeros(2, 2, 8), torch.zeros(2, 2, 8))
-    attn.k_cache, attn.v_cache = torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8)
-    with pytest.raises(ValueError, match="slot_mapping"):
-        attn(torch.zeros(3, 4, 8), torch.zeros(3, 2, 8), torch.zeros(3, 2, 8))
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_attention_layer_mixed_step(backend, block_size):
     step = Step(MIXED["q_lens"], MIXED["ctx_lens"], block_size, heads=4, kv_heads=2, seed=block_size, device=DEVICE)
     attn = Attention(4, 8, step.scale, 2, backend=backend)
     attn.k_cache, attn.v_cache = step.k_cache, step.v_cache
-    set_context(step.ctx)
-    out = attn(step.q, step.k, step.v)
+    out = attn(step.q, step.k, step.v, step.ctx)
     torch.testing.assert_close(out.cpu(), step.dense(), **TOL)
     for i, (_, k, _) in enumerate(step.full):   # every sequence's whole K is now in the cache
         torch.testing.assert_close(gather_kv(attn.k_cache, step.ctx.block_tables[i], step.ctx_lens[i]).cpu(), k)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_attention_layer_decode_step_without_cu_seqlens_q(backend, monkeypatch):
-    "A decode-only context may give only slot_mapping, context_lens and block_tables (as nano-vllm's runner does)."
+def test_attention_layer_decode_step(backend, monkeypatch):
+    "A decode-only step (one token per sequence) with the backend chosen from MINIVLLM_ATTENTION_BACKEND."
     monkeypatch.setenv(BACKEND_ENV, backend)
     step = Step([1, 1, 1], [5, 17, 1], 4, heads=8, kv_heads=2, seed=9, device=DEVICE)
-    attn = Attention(8, 8, step.scale, 2)
+    attn = Attention(8, 8, step.scale, 2, backend=select_backend(DEVICE, 4))
+    assert attn.backend == backend and step.ctx.is_decode_only
     attn.k_cache, attn.v_cache = step.k_cache, step.v_cache
-    set_context(True, slot_mapping=step.ctx.slot_mapping, context_lens=step.ctx.context_lens,
-                block_tables=step.ctx.block_tables)
-    torch.testing.assert_close(attn(step.q, step.k, step.v).cpu(), step.dense(), **TOL)
+    torch.testing.assert_close(attn(step.q, step.k, step.v, step.ctx).cpu(), step.dense(), **TOL)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -388,15 +360,14 @@ def test_attention_layer_without_cache(backend):
     step = Step([7, 3, 12], [7, 3, 12], 4, heads=4, kv_heads=1, seed=11, device=DEVICE)
     attn = Attention(4, 8, step.scale, 1, backend=backend)
     whole = [t.to(DEVICE) for t in step.full[2]]
-    torch.testing.assert_close(attn(*whole).cpu(), dense_causal(*step.full[2], step.scale), **TOL)  # no context
-    set_context(False, cu_seqlens_q=step.ctx.cu_seqlens_q, cu_seqlens_k=step.ctx.cu_seqlens_k,
-                max_seqlen_q=12, max_seqlen_k=12)
-    torch.testing.assert_close(attn(step.q, step.k, step.v).cpu(), step.dense(), **TOL)
+    torch.testing.assert_close(attn(*whole).cpu(), dense_causal(*step.full[2], step.scale), **TOL)  # no metadata
+    meta = AttentionMetadata(step.ctx.cu_seqlens_q, step.ctx.cu_seqlens_k, max_seqlen_q=12, max_seqlen_k=12)
+    torch.testing.assert_close(attn(step.q, step.k, step.v, meta).cpu(), step.dense(), **TOL)
 
 
 def test_attention_is_an_nn_module_without_cache_state():
     attn = Attention(16, 128, 128 ** -0.5, 8)
-    assert list(attn.state_dict()) == [] and attn.k_cache.numel() == 0
+    assert list(attn.state_dict()) == [] and attn.k_cache is None and attn.v_cache is None   # the engine sets them
     assert "num_heads=16, num_kv_heads=8, head_dim=128" in repr(attn)
 
 
@@ -410,12 +381,11 @@ def test_flash_attn_backend_matches_reference():
         step = Step(q_lens, ctx_lens, 256, heads=16, kv_heads=8, dim=128, seed=12, device="cuda")
         for name in ("k_cache", "v_cache", "q", "k", "v"):
             setattr(step, name, getattr(step, name).to(torch.bfloat16))
-        set_context(step.ctx)
         outs = {}
         for backend in ("flash_attn", "torch"):
             attn = Attention(16, 128, step.scale, 8, backend=backend)
             attn.k_cache, attn.v_cache = step.k_cache.clone(), step.v_cache.clone()
-            outs[backend] = attn(step.q, step.k, step.v).float()
+            outs[backend] = attn(step.q, step.k, step.v, step.ctx).float()
         torch.testing.assert_close(outs["flash_attn"], outs["torch"], **bf16)
 
 

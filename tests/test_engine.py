@@ -1,13 +1,20 @@
 """End to end: greedy generation token-identical to transformers' `generate`, on CPU (the tiny model) and on a GPU
 (the Qwen3-0.6B architecture with random weights, float32), with prefix caching on and off, under preemption, with
-chunked prefill, and with CUDA graphs against eager execution."""
-import os
+chunked prefill, and with CUDA graphs against eager execution. Cascade decode gives the tokens of plain attention.
+Engines in one process are independent (project issue 21), and the step trace records every step."""
+import dataclasses
+import gc
+import itertools
+import random
+import weakref
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
+from minivllm.engine.step_trace import token_times
+from minivllm.models.registry import load_config
 
 PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n        ",
            "for i in range(10):\n", "    return", "def fibonacci(n):\n    if n < 2:\n        return n\n",
@@ -120,36 +127,41 @@ def test_qwen3_06b_float32_greedy_matches_transformers_on_gpu(qwen3_06b, gpu_pro
 # ---- cascade decode: a prefix shared by the whole batch is read once (notebook 05) ------------------------------
 
 def _generate_with_shared_prefix(ids, monkeypatch, **kwargs):
-    "Cache a shared prefix with one request, then decode 5 requests that start with it; thresholds lowered to fit."
-    from minivllm.engine.model_runner import ModelRunner
+    """Cache a shared prefix with one request, then decode 5 requests that start with it; thresholds lowered to fit.
+    Returns the tokens, the shared prefix length the batch builder gave each decode step, the prefix's length, and
+    whether CUDA graphs that read a shared prefix once were recorded (None without graphs)."""
+    from minivllm.engine.batch_builder import BatchBuilder
     from minivllm.kernels import cascade
     monkeypatch.setattr(cascade, "CASCADE_MIN_PREFIX", 16)
     monkeypatch.setattr(cascade, "CASCADE_MIN_SAVED", 16)
-    used, original = [], ModelRunner.shared_prefix
+    used, original = [], BatchBuilder.build
 
-    def spy(self, x):
-        value = original(self, x)
-        used.append(0 if value is None else int(value[0]))
-        return value
-    monkeypatch.setattr(ModelRunner, "shared_prefix", spy)
+    def spy(self, plan):
+        step = original(self, plan)
+        if step.is_decode_only:   # what the graph replay and the eager path both read
+            used.append(int(step.shared_prefix_len[0]))
+        return step
+    monkeypatch.setattr(BatchBuilder, "build", spy)
     shared = ids[7] + ids[0] + ids[2]
     prompts = [shared + tail for tail in ids[:5]]
     params = SamplingParams(temperature=0, max_tokens=8)
     with LLM(TINY_MODEL_PATH, max_model_len=256, **kwargs) as llm:
+        engine = llm.llm_engine
+        assert engine.config.cascade and engine.builder.cascade
         llm.generate([shared], params, use_tqdm=False)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        graphs = llm.llm_engine.model_runner.graphs
-        if graphs is not None:   # on a GPU: the decode steps replay the graphs that read the prefix once
-            used.append(int(graphs.host_inputs[graphs.turn ^ 1]["shared_prefix_len"][0]))   # the last replay's
-    return [o.outputs[0].token_ids for o in outs], used, len(shared)
+        graphs = engine.executor.runner.graphs
+        cascade_graphs = None if graphs is None else bool(graphs.cascade_graphs)
+    return [o.outputs[0].token_ids for o in outs], used, len(shared), cascade_graphs
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run of the Triton kernels (interpreter)")
 def test_cascade_decode_on_cpu_gives_the_tokens_of_plain_attention(tiny_reference, monkeypatch):
     ids, _ = tiny_reference
-    got, used, n = _generate_with_shared_prefix(ids, monkeypatch, device="cpu", attention_backend="triton")
+    got, used, n, _ = _generate_with_shared_prefix(ids, monkeypatch, device="cpu", attention_backend="triton")
     assert max(used) == (n - 1) // 16 * 16 > 0   # the decode steps of the 5 requests read the prefix once
     with LLM(TINY_MODEL_PATH, max_model_len=256, device="cpu", attention_backend="torch") as llm:
+        assert not llm.llm_engine.config.cascade
         want = llm.generate([ids[7] + ids[0] + ids[2] + tail for tail in ids[:5]],
                             SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert got == [o.outputs[0].token_ids for o in want]
@@ -158,9 +170,250 @@ def test_cascade_decode_on_cpu_gives_the_tokens_of_plain_attention(tiny_referenc
 @pytest.mark.gpu
 def test_gpu_cascade_decode_with_cuda_graphs_gives_the_tokens_of_eager_plain_attention(tiny_reference, monkeypatch):
     ids, _ = tiny_reference
-    got, used, n = _generate_with_shared_prefix(ids, monkeypatch, dtype="float32")
+    got, used, n, cascade_graphs = _generate_with_shared_prefix(ids, monkeypatch, dtype="float32")
+    assert cascade_graphs   # the decode steps replay the graphs that read the prefix once
     assert used[-1] == (n - 1) // 16 * 16 > 0
     with LLM(TINY_MODEL_PATH, max_model_len=256, dtype="float32", enable_prefix_caching=False) as llm:
+        assert not llm.llm_engine.config.cascade
         want = llm.generate([ids[7] + ids[0] + ids[2] + tail for tail in ids[:5]],
                             SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert got == [o.outputs[0].token_ids for o in want]
+
+
+# ---- engines in one process are independent (project issue 21) -------------------------------------------------
+
+VOCAB = load_config(TINY_MODEL_PATH).vocab_size
+CPU_ENGINE = dict(device="cpu", max_model_len=128, max_num_seqs=16)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def vocab_prompts(n: int, seed: int, max_len: int = 60) -> list[list[int]]:
+    "n prompts of random token ids of the tiny model's vocabulary, 1 to max_len tokens long."
+    rng = random.Random(seed)
+    return [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, max_len))] for _ in range(n)]
+
+
+def mixed_params(n: int, seed: int, max_tokens: int = 10) -> list[SamplingParams]:
+    """Greedy, seeded and unseeded sampling in turn. The unseeded rows draw from the engine's own generator: they give
+    the same tokens as the engine alone only if no other engine draws from it (or from any generator it uses)."""
+    kinds = [dict(temperature=0), dict(temperature=0.9, top_k=50, seed=seed), dict(temperature=1.0, top_p=0.9)]
+    return [SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kinds[i % 3]) for i in range(n)]
+
+
+A_WORK = [(vocab_prompts(10, seed), mixed_params(10, seed)) for seed in (1, 2, 3)]
+B_WORK = (vocab_prompts(10, 4), mixed_params(10, 4))
+B_STREAM = (vocab_prompts(1, 5)[0], SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True))
+
+
+def drive(engine, prompts, params, between=None) -> list[list[int]]:
+    "Add the requests to the engine and step it until they finish (calling `between()` before each step)."
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    got = {}
+    while engine.has_unfinished_requests():
+        if between is not None:
+            between()
+        got.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    return [got[i] for i in ids]
+
+
+class Stream:
+    "`llm.stream(...)` advanced one output at a time; `tokens` collects the deltas' tokens."
+
+    def __init__(self, llm: LLM, prompt, params: SamplingParams):
+        self.outputs, self.tokens, self.done = llm.stream(prompt, params), [], False
+
+    def advance(self) -> None:
+        out = None if self.done else next(self.outputs, None)
+        if out is None:
+            self.done = True
+        else:
+            self.tokens += out.outputs[0].token_ids
+
+    def finish(self) -> list[int]:
+        while not self.done:
+            self.advance()
+        return self.tokens
+
+
+def engine_a_alone(kwargs) -> list[list[list[int]]]:
+    with LLM(TINY_MODEL_PATH, **kwargs) as a:
+        return [token_ids(a.generate(*A_WORK[0], use_tqdm=False)), token_ids(a.generate(*A_WORK[1], use_tqdm=False)),
+                drive(a.llm_engine, *A_WORK[2])]
+
+
+def engine_b_alone(kwargs) -> list:
+    with LLM(TINY_MODEL_PATH, **kwargs) as b:
+        return [token_ids(b.generate(*B_WORK, use_tqdm=False)), Stream(b, *B_STREAM).finish()]
+
+
+def check_interleaved_engines_give_their_own_tokens(kwargs_a: dict, kwargs_b: dict) -> None:
+    "Engine A generates, engine B generates, A again, B streams while A generates: each gives its tokens alone."
+    want_a, want_b = engine_a_alone(kwargs_a), engine_b_alone(kwargs_b)
+    with LLM(TINY_MODEL_PATH, **kwargs_a) as a, LLM(TINY_MODEL_PATH, **kwargs_b) as b:
+        got_a = [token_ids(a.generate(*A_WORK[0], use_tqdm=False))]
+        got_b = [token_ids(b.generate(*B_WORK, use_tqdm=False))]
+        got_a.append(token_ids(a.generate(*A_WORK[1], use_tqdm=False)))
+        stream = Stream(b, *B_STREAM)
+        got_a.append(drive(a.llm_engine, *A_WORK[2], between=stream.advance))
+        assert stream.tokens, "the stream should have made progress while engine A generated"
+        got_b.append(stream.finish())
+        for llm in (a, b):
+            bm = llm.llm_engine.scheduler.block_manager
+            assert bm.num_free_blocks == bm.num_blocks and not llm.llm_engine.requests
+    assert got_a == want_a, "engine A gave other tokens next to engine B than alone"
+    assert got_b == want_b, "engine B gave other tokens next to engine A than alone"
+
+
+CPU_PAIRS = {
+    "float32 and bfloat16": (dict(dtype="float32"), dict(dtype="bfloat16")),
+    "block sizes 16 and 4": (dict(block_size=16), dict(block_size=4)),
+}
+
+
+@pytest.mark.parametrize("pair", list(CPU_PAIRS))
+def test_interleaved_cpu_engines_each_give_their_own_tokens(pair):
+    kwargs_a, kwargs_b = ({**CPU_ENGINE, **kw} for kw in CPU_PAIRS[pair])
+    check_interleaved_engines_give_their_own_tokens(kwargs_a, kwargs_b)
+
+
+def test_a_deleted_engine_leaves_nothing_another_engine_depends_on():
+    prompts = vocab_prompts(8, 6)
+    params = [SamplingParams(max_tokens=8, ignore_eos=True, **kind)   # greedy and seeded: the same every call
+              for kind in itertools.islice(itertools.cycle([dict(temperature=0), dict(temperature=0.9, seed=7)]), 8)]
+    first = LLM(TINY_MODEL_PATH, **CPU_ENGINE, dtype="bfloat16")
+    second = LLM(TINY_MODEL_PATH, **CPU_ENGINE, block_size=4)   # made before the first is deleted
+    try:
+        want = token_ids(second.generate(prompts, params, use_tqdm=False))
+        first.generate(prompts, params, use_tqdm=False)
+        assert token_ids(second.generate(prompts, params, use_tqdm=False)) == want
+        engine, model = weakref.ref(first.llm_engine), weakref.ref(first.llm_engine.executor.runner.model)
+        first.close()
+        del first
+        gc.collect()
+        assert engine() is None and model() is None, "the deleted engine's engine or model is still alive"
+        assert token_ids(second.generate(prompts, params, use_tqdm=False)) == want
+        assert Stream(second, prompts[0], params[0]).finish() == want[0]
+        with LLM(TINY_MODEL_PATH, **CPU_ENGINE, block_size=4) as third:   # and a new one gives them too
+            assert token_ids(third.generate(prompts, params, use_tqdm=False)) == want
+        assert token_ids(second.generate(prompts, params, use_tqdm=False)) == want
+    finally:
+        second.close()
+
+
+def tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    return list(itertools.chain(model.parameters(), model.buffers()))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_models_in_one_process_share_no_module_or_tensor(dtype):
+    with LLM(TINY_MODEL_PATH, **CPU_ENGINE, dtype=dtype) as a, LLM(TINY_MODEL_PATH, **CPU_ENGINE, dtype=dtype) as b:
+        runner_a, runner_b = a.llm_engine.executor.runner, b.llm_engine.executor.runner
+        model_a, model_b = runner_a.model, runner_b.model
+        rope_a, rope_b = (m.model.layers[0].self_attn.rotary_emb for m in (model_a, model_b))
+        assert rope_a is not rope_b
+        assert all(layer.self_attn.rotary_emb is rope_a for layer in model_a.model.layers)   # one per model
+        assert all(layer.self_attn.rotary_emb is rope_b for layer in model_b.model.layers)
+        assert rope_a.cos_sin_cache.data_ptr() != rope_b.cos_sin_cache.data_ptr()
+        assert not {id(m) for m in model_a.modules()} & {id(m) for m in model_b.modules()}
+        ta, tb = tensors(model_a), tensors(model_b)
+        assert len(ta) == len(tb) > 0 and any(t is rope_a.cos_sin_cache for t in ta)
+        assert not {t.data_ptr() for t in ta} & {t.data_ptr() for t in tb}
+        assert not {t.untyped_storage().data_ptr() for t in ta} & {t.untyped_storage().data_ptr() for t in tb}
+        assert runner_a.kv_cache.untyped_storage().data_ptr() != runner_b.kv_cache.untyped_storage().data_ptr()
+        assert runner_a.sampling.generator is not runner_b.sampling.generator
+
+
+# ---- the same on a GPU: CUDA graphs, a CPU engine beside it, memory churn --------------------------------------
+
+GPU_ENGINE = dict(device="cuda", dtype="float32", max_model_len=512, gpu_memory_utilization=0.3)
+GPU_PROMPTS = PROMPTS + ["def quicksort(xs):\n    ", "with open(path) as f:\n    ", "if __name__ == \"__main__\":\n",
+                         "import numpy as np\n\n\ndef mean(", "class Node:\n    def __init__(self, value", "while True:\n",
+                         "def add(a, b):\n    return", "# Read the file\nlines = "]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_gpu_engine_gives_its_tokens_after_a_cpu_engine_and_memory_churn():
+    assert len(GPU_PROMPTS) == 16
+    params = SamplingParams(temperature=0, max_tokens=32)
+    gpu = LLM(TINY_MODEL_PATH, **GPU_ENGINE, max_num_seqs=16)
+    try:
+        assert gpu.llm_engine.executor.runner.graphs is not None   # CUDA graphs on
+        first = token_ids(gpu.generate(GPU_PROMPTS, params, use_tqdm=False))
+        with LLM(TINY_MODEL_PATH, device="cpu", dtype="float32", max_model_len=512) as cpu:
+            assert token_ids(cpu.generate(GPU_PROMPTS, params, use_tqdm=False)) == first
+        churn = [torch.full((64 * 2**20,), 255, dtype=torch.uint8, device="cuda") for _ in range(6)]   # 384 MiB
+        del churn
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        assert token_ids(gpu.generate(GPU_PROMPTS, params, use_tqdm=False)) == first
+    finally:
+        gpu.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_interleaved_gpu_engines_of_different_shapes_each_give_their_own_tokens():
+    check_interleaved_engines_give_their_own_tokens({**GPU_ENGINE, "max_num_seqs": 8, "block_size": 16},
+                                                    {**GPU_ENGINE, "max_num_seqs": 32, "block_size": 32})
+
+
+# ---- the step trace ---------------------------------------------------------------------------------------------
+
+def test_step_trace_records_every_step():
+    prompts = vocab_prompts(8, 8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(TINY_MODEL_PATH, **{**CPU_ENGINE, "max_num_batched_tokens": 32, "max_num_seqs": 8}) as llm:
+        engine = llm.llm_engine
+        assert engine.trace is None
+        llm.generate(prompts[:2], params, use_tqdm=False)   # steps before start_trace are not recorded
+        before = dataclasses.replace(engine.stats)
+        trace = engine.start_trace()
+        assert trace == [] and engine.trace is trace
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = engine.stats
+    n = stats.num_steps - before.num_steps
+    assert n > 0 and len(trace) == n   # one record per engine step
+    assert [r.step for r in trace] == list(range(n))
+    for r, after in zip(trace, trace[1:] + [None]):
+        assert r.duration >= r.wait >= 0 and r.start >= 0
+        if after is not None:
+            assert r.start + r.duration <= after.start + 1e-6   # steps do not overlap
+        assert len(r.seq_ids) == len(r.num_tokens) == len(r.is_prefill) == len(r.sampled) > 0
+        if r.is_decode_only:   # no prefill tokens: every sequence computes one token and samples one
+            assert sum(k for k, p in zip(r.num_tokens, r.is_prefill) if p) == 0
+            assert all(k == 1 for k in r.num_tokens) and all(r.sampled)
+        assert 0 <= r.kv_usage <= 1
+    assert any(r.is_decode_only for r in trace) and not trace[0].is_decode_only
+    assert sum(k for r in trace for k, p in zip(r.num_tokens, r.is_prefill) if p) == \
+        stats.num_prompt_tokens - before.num_prompt_tokens == sum(len(p) - o.num_cached_tokens for p, o in zip(prompts, outs))
+    assert sum(sum(r.sampled) for r in trace) == stats.num_generated_tokens - before.num_generated_tokens
+    assert len([s for r in trace for s in r.finished]) == len(prompts)
+    assert trace[-1].num_running == trace[-1].num_waiting == 0
+    times = token_times(trace)
+    assert sorted(map(len, times.values())) == sorted(len(o.outputs[0].token_ids) for o in outs)
+
+
+def test_no_step_is_left_in_flight_once_every_request_finished():
+    """With asynchronous scheduling the next decode step is launched before a step's tokens are seen; a request that
+    ends on a stop token has one more token computed, dropped when that step is collected. Once every request has
+    finished, the engine must hold no such step: its next `step()` has nothing to do (no step counted, no record)."""
+    with LLM(TINY_MODEL_PATH, **CPU_ENGINE) as llm:
+        engine = llm.llm_engine
+        assert engine.config.async_scheduling
+        toks = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+        toks = toks.outputs[0].token_ids
+        i = next(i for i in range(2, len(toks)) if toks[i] not in toks[:i])   # a decode step ends it
+        generated = engine.stats.num_generated_tokens
+        out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[toks[i]]),
+                           use_tqdm=False)[0].outputs[0]
+        assert (out.finish_reason, out.stop_reason, out.token_ids) == ("stop", toks[i], toks[:i + 1])
+        assert not engine.has_unfinished_requests() and not engine.requests
+        assert engine.in_flight is None, "a step of finished requests is still in flight"
+        before, trace = dataclasses.replace(engine.stats), engine.start_trace()
+        assert engine.step() == []
+        assert engine.stats == before and trace == []
+        assert engine.stats.num_generated_tokens - generated == len(out.token_ids)

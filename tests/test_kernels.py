@@ -12,6 +12,7 @@ the softmax weights and the output to bfloat16).
 """
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -21,15 +22,20 @@ if not torch.cuda.is_available():  # Triton decides when a kernel is defined: be
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
+from minivllm.kernels import common  # noqa: E402
 from minivllm.kernels.bench import bench_copy, bench_decode  # noqa: E402
-from minivllm.kernels.cascade import (CASCADE_MIN_PREFIX, cascade_prefix_len, shared_prefix_len,  # noqa: E402
-                                      use_cascade)
-from minivllm.kernels.paged_decode import MAX_SPLITS, choose_num_splits, paged_decode_attention  # noqa: E402
-from minivllm.kernels.paged_prefill import paged_prefill_attention, varlen_prefill_attention  # noqa: E402
+from minivllm.kernels.cascade import (CASCADE_MIN_PREFIX, MAX_PREFIX_SPLITS, SHARED_BLOCK_M,  # noqa: E402
+                                      cascade_prefix_len, choose_prefix_splits, shared_prefix_len, use_cascade)
+from minivllm.kernels.paged_decode import (DECODE_BLOCK_N, MAX_SPLITS, choose_num_splits,  # noqa: E402
+                                           paged_decode_attention, plan_decode)
+from minivllm.kernels.paged_prefill import (PREFILL_BLOCK_M, paged_prefill_attention, plan_prefill,  # noqa: E402
+                                            varlen_prefill_attention)
 from minivllm.kernels.reference import paged_attention_ref, store_kvcache_ref, varlen_attention_ref  # noqa: E402
 from minivllm.kernels.store_kvcache import store_kvcache  # noqa: E402
-from minivllm.utils.context import make_context  # noqa: E402
+from minivllm.layers.attention import AttentionMetadata  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_TOL = dict(atol=2e-5, rtol=2e-5)
@@ -47,7 +53,7 @@ def random_step(q_lens, ctx_lens, block_size, heads=4, kv_heads=2, dim=8, dtype=
     shape = (num_blocks, block_size, kv_heads, dim)
     k_cache = torch.randn(shape, generator=g).to(device, dtype)
     v_cache = torch.randn(shape, generator=g).to(device, dtype)
-    ctx = make_context(q_lens, ctx_lens, tables, block_size, device=device)
+    ctx = AttentionMetadata.build(q_lens, ctx_lens, tables, block_size, device=device)
     q = torch.randn(sum(q_lens), heads, dim, generator=g).to(device, dtype)
     return q, k_cache, v_cache, ctx
 
@@ -82,7 +88,8 @@ def test_store_kvcache_matches_reference_and_skips_negative_slots(block_size):
 
 
 def test_kernels_reject_cpu_tensors_when_compiled(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    "TRITON_INTERPRET is read once, at import (kernels.common.INTERPRET): the test sets that flag, not the variable."
+    monkeypatch.setattr(common, "INTERPRET", False)
     k, cache = torch.zeros(3, 2, 8), torch.zeros(4, 4, 2, 8)
     with pytest.raises(ValueError, match="need CUDA tensors"):
         store_kvcache(k, k, cache, cache, torch.zeros(3, dtype=torch.long))
@@ -212,6 +219,119 @@ def test_benchmarks_need_cuda():
         bench_copy(1 << 20, device="cpu")
 
 
+# ---------------------------------------------------------------- launch planning (pure functions)
+
+def test_plan_decode_worked_examples():
+    # Qwen3-0.6B on an H200 (132 SMs), 256 sequences of up to 1024 tokens: 256 x 8 = 2048 programs already fill the
+    # card (4 x 132 = 528 wanted), so no split; 16 / 8 = 2 query heads per KV head (a power of two already); a tile
+    # of the shared-prefix kernel holds 128 rows = 64 sequences x 2 heads, so 256 sequences need 4 tiles.
+    plain = plan_decode(256, 16, 8, 1024, 132)
+    assert (plain.num_splits, plain.prefix_parts, plain.group_pad, plain.q_tiles) == (1, 0, 2, 4)
+    assert plain.num_parts == 1 and not plain.use_splits                 # one part: written straight to out
+    # cascade: the prefix kernel has 8 KV heads x 4 tiles = 32 programs; ceil(132 / 32) = 5 pieces of the prefix
+    # fill the SMs, and the merge then sees 5 prefix parts + 1 split
+    cascade = plan_decode(256, 16, 8, 1024, 132, cascade=True)
+    assert (cascade.num_splits, cascade.prefix_parts, cascade.q_tiles) == (1, 5, 4)
+    assert cascade.num_parts == 6 and cascade.use_splits
+    # one sequence of 8192: 8 programs want ceil(528 / 8) = 66 splits, but 8192 / 64 = 128 tiles allow only 32 splits
+    # of 4 tiles; the prefix kernel's 8 x 1 programs want ceil(132 / 8) = 17 pieces, capped at 16
+    long = plan_decode(1, 16, 8, 8192, 132, cascade=True)
+    assert (long.num_splits, long.prefix_parts, long.q_tiles) == (32, MAX_PREFIX_SPLITS, 1) and MAX_PREFIX_SPLITS == 16
+    assert long.num_parts == 48 and long.use_splits
+    forced = plan_decode(1, 16, 8, 8192, 132, num_splits=1)             # a caller's num_splits wins (CUDA graphs)
+    assert (forced.num_splits, forced.prefix_parts, forced.num_parts, forced.use_splits) == (1, 0, 1, False)
+    forced3 = plan_decode(1, 16, 8, 64, 132, num_splits=3)
+    assert forced3.num_splits == 3 and forced3.num_parts == 3 and forced3.use_splits
+
+
+def test_plan_decode_pads_odd_groups_and_tiles_large_ones():
+    # 6 / 2 = 3 heads per KV head, padded to 4: a 128-row tile holds 32 sequences, 5 fit in one tile. 2 KV heads x 5
+    # sequences = 10 programs on 4 SMs want ceil(16 / 10) = 2 splits, but 100 positions are 2 tiles of 64: one split.
+    odd = plan_decode(5, 6, 2, 100, 4)
+    assert (odd.group_pad, odd.q_tiles, odd.num_splits, odd.prefix_parts) == (4, 1, 1, 0)
+    assert plan_decode(1, 5, 1, 16, 4).group_pad == 8                    # 5 -> 8
+    assert plan_decode(1, 8, 8, 16, 4).group_pad == 1                    # multi-head attention: no padding
+    # 256 query heads per KV head: the tile grows to 256 rows (one sequence), so 3 sequences need 3 tiles
+    wide = plan_decode(3, 256, 1, 64, 4, cascade=True)
+    assert (wide.group_pad, wide.q_tiles) == (256, 3)
+    assert wide.prefix_parts == 2                                       # 1 KV head x 3 tiles on 4 SMs: ceil(4 / 3)
+    # 65 sequences of a group of 2 need a second 64-sequence tile
+    assert plan_decode(65, 16, 8, 64, 132).q_tiles == 2 and plan_decode(64, 16, 8, 64, 132).q_tiles == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=st.integers(1, 600), num_kv_heads=st.sampled_from([1, 2, 4, 8]), group=st.integers(1, 20),
+       max_context=st.integers(1, 40000), sms=st.sampled_from([1, 4, 16, 132]), cascade=st.booleans(),
+       block_n=st.sampled_from([16, 32, 64]), num_splits=st.sampled_from([None, 1, 2, 7]))
+def test_plan_decode_invariants(batch, num_kv_heads, group, max_context, sms, cascade, block_n, num_splits):
+    num_heads = group * num_kv_heads
+    plan = plan_decode(batch, num_heads, num_kv_heads, max_context, sms, cascade, block_n, num_splits)
+    # the split count: the caller's, else choose_num_splits' for this batch (at least one, at most MAX_SPLITS)
+    if num_splits is None:
+        assert plan.num_splits == choose_num_splits(batch, num_kv_heads, max_context, block_n, sms)
+        assert 1 <= plan.num_splits <= MAX_SPLITS
+        tiles = math.ceil(max_context / block_n)
+        assert plan.num_splits <= max(1, math.ceil(tiles / 4))   # MIN_TILES_PER_SPLIT: no more than tiles / 4
+    else:
+        assert plan.num_splits == num_splits
+    # the group, padded to the next power of two
+    assert plan.group_pad & (plan.group_pad - 1) == 0 and group <= plan.group_pad < 2 * group
+    # the shared-prefix kernel's tiles of max(SHARED_BLOCK_M, group_pad) rows cover every sequence, none to spare
+    per_tile = max(SHARED_BLOCK_M, plan.group_pad) // plan.group_pad
+    assert per_tile >= 1 and (plan.q_tiles - 1) * per_tile < batch <= plan.q_tiles * per_tile
+    # cascade adds the prefix's parts (about one program per SM, at most MAX_PREFIX_SPLITS); without it, none
+    if cascade:
+        programs = num_kv_heads * plan.q_tiles
+        assert plan.prefix_parts == choose_prefix_splits(programs, sms)
+        assert plan.prefix_parts == min(max(1, math.ceil(sms / programs)), MAX_PREFIX_SPLITS)
+    else:
+        assert plan.prefix_parts == 0
+    assert plan.num_parts == plan.prefix_parts + plan.num_splits
+    assert plan.use_splits == (plan.num_parts > 1)
+    assert plan.use_splits or (not cascade and plan.num_splits == 1)   # a cascade always merges
+
+
+def test_plan_prefill_worked_examples():
+    # Qwen3: group 2, 64 rows = 32 tokens x 2 heads; 100 tokens in 3 sequences: 100 // 32 = 3, plus up to one short
+    # tile per sequence = 6 programs along axis 0, one per KV head along axis 1
+    assert PREFILL_BLOCK_M == 64
+    assert plan_prefill(100, 3, 16, 8) == (64, 32, (6, 8))
+    # group 3 padded to 4; a requested block_m of 8 is raised to 16 (tl.dot's minimum): 4 tokens per program
+    assert plan_prefill(10, 2, 6, 2, block_m=8) == (16, 4, (10 // 4 + 2, 2))
+    # 64 query heads per KV head: block_m grows to the group, one token per program, one program per token (+1)
+    assert plan_prefill(5, 1, 64, 1, block_m=16) == (64, 1, (5 + 1, 1))
+    # multi-head, 7 decode tokens: block_q 64 > 7, so each sequence gets exactly its own program
+    assert plan_prefill(7, 7, 4, 4) == (64, 64, (7, 4))
+    assert plan_prefill(300, 1, 2, 1, block_m=128) == (128, 64, (300 // 64 + 1, 1))
+
+
+def programs_of_sequences(lens, block_q, num_programs):
+    """What each program along axis 0 of `_paged_prefill_kernel` computes: its sequence is the last one whose first
+    program, cu[i] // block_q + i, is <= the program's index; it takes block_q tokens from `first`."""
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(int)
+    starts = [cu[i] // block_q + i for i in range(len(lens))]
+    covered = []
+    for p in range(num_programs):
+        seq = max(i for i, start in enumerate(starts) if start <= p)
+        first = (p - starts[seq]) * block_q
+        covered += [(seq, t) for t in range(first, min(first + block_q, lens[seq]))]
+    return covered
+
+
+@settings(max_examples=200, deadline=None)
+@given(lens=st.lists(st.integers(0, 300), min_size=1, max_size=8), num_kv_heads=st.sampled_from([1, 2, 8]),
+       group=st.integers(1, 40), block_m=st.sampled_from([None, 8, 16, 32, 64, 128]))
+def test_plan_prefill_grid_covers_every_token(lens, num_kv_heads, group, block_m):
+    block, block_q, grid = plan_prefill(sum(lens), len(lens), group * num_kv_heads, num_kv_heads, block_m)
+    group_pad = 1 << (group - 1).bit_length()
+    assert block >= 16 and block >= group and block >= (block_m or PREFILL_BLOCK_M)
+    assert block == max(block_m or PREFILL_BLOCK_M, group_pad, 16)     # all powers of two: the smallest that fits
+    assert block_q * group_pad == block and block_q >= 1
+    assert grid == (sum(lens) // block_q + len(lens), num_kv_heads)
+    covered = programs_of_sequences(lens, block_q, grid[0])
+    assert sorted(covered) == [(i, t) for i, n in enumerate(lens) for t in range(n)]   # every token, exactly once
+
+
 # ---------------------------------------------------------------- GPU, real sizes (Qwen3-0.6B: 16 heads, 8 KV heads, 128)
 
 QWEN = dict(heads=16, kv_heads=8, dim=128, dtype=torch.bfloat16, device="cuda")
@@ -319,7 +439,7 @@ def shared_prefix_step(prefix_blocks, own_lens, block_size, seed=0, **kw):
     tables = ctx.block_tables.clone()
     tables[:, :prefix_blocks] = tables[0, :prefix_blocks]   # every row points at row 0's prefix blocks
     lens = ctx.context_lens
-    return q, kc, vc, make_context([1] * len(own_lens), lens.tolist(), [
+    return q, kc, vc, AttentionMetadata.build([1] * len(own_lens), lens.tolist(), [
         [b for b in row if b >= 0] for row in tables.tolist()], block_size, device=q.device)
 
 

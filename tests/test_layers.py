@@ -1,5 +1,6 @@
 """The layers of minivllm/layers (notebook 04), each checked against its Hugging Face Qwen3 twin, plus the
-tensor-parallel shard arithmetic (ranks built explicitly in one process, and a real 2-process gloo group)."""
+tensor-parallel shard arithmetic (ranks built explicitly in one process with `tp=TPGroup(rank, size)`, and a real
+2-process gloo group)."""
 from __future__ import annotations
 
 import socket
@@ -9,14 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import Qwen3Config
 from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3Attention, Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
-from minivllm.distributed.parallel_state import (all_gather_last_dim, all_reduce_, divide, get_tp_rank, get_tp_size,
-                                                 resolve_tp)
+from minivllm.distributed.parallel_state import (SINGLE, TPGroup, all_gather_last_dim, all_reduce, broadcast, divide)
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.layernorm import RMSNorm
@@ -40,20 +41,32 @@ def randomize(module: torch.nn.Module, std: float = 0.1) -> torch.nn.Module:
     return module.eval()
 
 
+def one_process_rank(rank: int, size: int) -> TPGroup:
+    """Rank `rank` of a group of `size`, for a forward pass in this single process: its collectives go to a group of
+    one member (this process), where an all-reduce returns this rank's partial result unchanged. The test adds the
+    ranks' partial results by hand."""
+    lone = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    return TPGroup(rank, size, device_group=lone, control_group=lone)
+
+
 # ---------------------------------------------------------------- parallel_state
 
 def test_parallel_state_without_process_group():
-    assert (get_tp_rank(), get_tp_size()) == (0, 1)
-    assert resolve_tp() == (0, 1) and resolve_tp(1, 2) == (1, 2)
+    assert (SINGLE.rank, SINGLE.size) == (0, 1) and SINGLE == TPGroup()
+    assert SINGLE.device_group is None and SINGLE.control_group is None
+    tp = TPGroup(1, 2)
+    assert (tp.rank, tp.size) == (1, 2)
+    with pytest.raises(AttributeError):
+        tp.rank = 0  # frozen: a layer's group cannot change under it
     x = torch.randn(3, 4)
-    assert all_reduce_(x) is x and all_gather_last_dim(x) is x
+    assert all_reduce(x, SINGLE) is x and all_gather_last_dim(x, SINGLE) is x and broadcast(x, SINGLE) is x
     assert divide(12, 4) == 3
 
 
 @pytest.mark.parametrize("rank, size", [(2, 2), (-1, 2), (0, 0)])
-def test_resolve_tp_rejects_bad_rank(rank, size):
+def test_tp_group_rejects_bad_rank(rank, size):
     with pytest.raises(ValueError, match="tensor-parallel rank"):
-        resolve_tp(rank, size)
+        TPGroup(rank, size)
 
 
 def test_divide_names_what_does_not_divide():
@@ -173,7 +186,7 @@ def test_rope_keeps_dtype_and_computes_in_float32():
     q_bf16, _ = rope(positions, q.bfloat16(), q.bfloat16())
     assert q_bf16.dtype == torch.bfloat16
     assert torch.equal(q_bf16, rope(positions, q.bfloat16().float(), q)[0].bfloat16())
-    rope.to(torch.bfloat16)  # the cache is not a buffer: a dtype change of the model leaves the angles in float32
+    rope.to(torch.bfloat16)  # a dtype change of the model leaves the angles in float32 (the docstring's float32 cache)
     assert rope.cos_sin_cache.dtype == torch.float32
 
 
@@ -201,11 +214,17 @@ def test_rope_parameters_from_new_and_old_configs():
         rope_parameters(SimpleNamespace())
 
 
-def test_get_rope_shares_one_module_per_parameter_set():
-    a = get_rope(16, 16, 128, 10_000.0)
-    assert get_rope(16, 16, 128, 10_000, None) is a
-    assert get_rope(16, 16, 128, 1_000_000.0) is not a
-    assert get_rope(16, 8, 128, 10_000.0) is not a
+def test_get_rope_makes_a_new_module_each_call():
+    "No process-wide sharing: two calls with the same parameters (two models, two engines) hold distinct modules."
+    a, b = get_rope(16, 16, 128, 10_000.0), get_rope(16, 16, 128, 10_000, None)
+    assert isinstance(a, RotaryEmbedding) and a is not b
+    assert a.cos_sin_cache is not b.cos_sin_cache and torch.equal(a.cos_sin_cache, b.cos_sin_cache)
+    assert (b.head_size, b.rotary_dim, b.max_position, b.base) == (16, 16, 128, 10_000.0)
+    assert isinstance(b.base, float)
+    # the cache is this module's buffer, not saved in checkpoints, and it follows the module's .to()
+    assert dict(a.named_buffers())["cos_sin_cache"] is a.cos_sin_cache and "cos_sin_cache" not in a.state_dict()
+    a.to("meta")
+    assert a.cos_sin_cache.device.type == "meta" and b.cos_sin_cache.device.type == "cpu"
 
 
 # ---------------------------------------------------------------- linear layers vs HF projections
@@ -244,7 +263,7 @@ def test_merged_gate_up_and_row_down_match_hf_mlp():
 
 def test_replicated_linear():
     w, b = torch.randn(6, 4), torch.randn(6)
-    layer = ReplicatedLinear(4, 6, bias=True, tp_rank=1, tp_size=2)
+    layer = ReplicatedLinear(4, 6, bias=True, tp=TPGroup(1, 2))
     layer.weight.weight_loader(layer.weight, w)
     layer.bias.weight_loader(layer.bias, b)
     x = torch.randn(3, 4)
@@ -259,7 +278,8 @@ def test_column_parallel_ranks_concatenate_to_the_full_output(tp_size):
     w, b, x = torch.randn(8, 5), torch.randn(8), torch.randn(3, 5)
     outs = []
     for rank in range(tp_size):
-        layer = ColumnParallelLinear(5, 8, bias=True, tp_rank=rank, tp_size=tp_size)
+        layer = ColumnParallelLinear(5, 8, bias=True, tp=TPGroup(rank, tp_size))
+        assert (layer.tp.rank, layer.tp.size) == (rank, tp_size)
         assert layer.weight.shape == (8 // tp_size, 5)
         layer.weight.weight_loader(layer.weight, w)
         layer.bias.weight_loader(layer.bias, b)
@@ -273,18 +293,18 @@ def test_row_parallel_partial_sums_add_up_with_the_bias_once(tp_size):
     w, b, x = torch.randn(6, 8), torch.randn(6), torch.randn(3, 8)
     partials = []
     for rank in range(tp_size):
-        layer = RowParallelLinear(8, 6, bias=True, tp_rank=rank, tp_size=tp_size)
+        layer = RowParallelLinear(8, 6, bias=True, tp=one_process_rank(rank, tp_size))
         assert layer.weight.shape == (6, 8 // tp_size) and layer.bias.shape == (6,)
         layer.weight.weight_loader(layer.weight, w)
         layer.bias.weight_loader(layer.bias, b)
         shard = 8 // tp_size
-        partials.append(layer(x[:, rank * shard:(rank + 1) * shard]))  # in one process all_reduce_ is a no-op
+        partials.append(layer(x[:, rank * shard:(rank + 1) * shard]))  # its all-reduce over one process: a no-op
     torch.testing.assert_close(sum(partials), F.linear(x, w, b))
 
 
 def test_merged_column_parallel_rank_holds_its_slice_of_each_part():
     gate, up = torch.arange(8 * 3.0).view(8, 3), 100 + torch.arange(8 * 3.0).view(8, 3)
-    layer = MergedColumnParallelLinear(3, [8, 8], tp_rank=1, tp_size=2)
+    layer = MergedColumnParallelLinear(3, [8, 8], tp=TPGroup(1, 2))
     layer.weight.weight_loader(layer.weight, gate, 0)
     layer.weight.weight_loader(layer.weight, up, 1)
     assert torch.equal(layer.weight.data, torch.cat([gate[4:], up[4:]]))
@@ -299,7 +319,7 @@ def test_qkv_parallel_ranks_hold_their_heads(tp_size, num_heads, num_kv_heads):
     full_q, full_k, full_v = (x @ w.T for w in (wq, wk, wv))
     heads_per_rank = num_heads // tp_size
     for rank in range(tp_size):
-        layer = QKVParallelLinear(hidden, d, num_heads, num_kv_heads, tp_rank=rank, tp_size=tp_size)
+        layer = QKVParallelLinear(hidden, d, num_heads, num_kv_heads, tp=TPGroup(rank, tp_size))
         for shard_id, w in zip("qkv", (wq, wk, wv)):
             layer.weight.weight_loader(layer.weight, w, shard_id)
         q, k, v = layer(x).split([layer.num_heads * d, layer.num_kv_heads * d, layer.num_kv_heads * d], dim=-1)
@@ -320,7 +340,7 @@ def test_qkv_parallel_with_bias_over_two_ranks():
     x = torch.randn(4, 48)
     qs, ks = [], []
     for rank in range(2):
-        layer = QKVParallelLinear(48, 16, 4, 2, bias=True, tp_rank=rank, tp_size=2)
+        layer = QKVParallelLinear(48, 16, 4, 2, bias=True, tp=TPGroup(rank, 2))
         load_qkv(layer, attn)
         q, k, _ = layer(x).split([32, 16, 16], dim=-1)
         qs.append(q), ks.append(k)
@@ -334,8 +354,8 @@ def test_two_rank_mlp_partials_sum_to_hf_mlp():
     x = torch.randn(6, 48)
     partials = []
     for rank in range(2):
-        gate_up = MergedColumnParallelLinear(48, [80, 80], tp_rank=rank, tp_size=2)
-        down = RowParallelLinear(80, 48, tp_rank=rank, tp_size=2)
+        gate_up = MergedColumnParallelLinear(48, [80, 80], tp=TPGroup(rank, 2))
+        down = RowParallelLinear(80, 48, tp=one_process_rank(rank, 2))
         gate_up.weight.weight_loader(gate_up.weight, mlp.gate_proj.weight, 0)
         gate_up.weight.weight_loader(gate_up.weight, mlp.up_proj.weight, 1)
         down.weight.weight_loader(down.weight, mlp.down_proj.weight)
@@ -347,16 +367,16 @@ def test_two_rank_mlp_partials_sum_to_hf_mlp():
 # ---------------------------------------------------------------- linear layers: bad input
 
 def test_weight_loaders_reject_mis_shaped_tensors_naming_both_shapes():
-    qkv = QKVParallelLinear(48, 16, 4, 2, tp_rank=0, tp_size=2)
+    qkv = QKVParallelLinear(48, 16, 4, 2, tp=TPGroup(0, 2))
     with pytest.raises(ValueError, match=r"expected shape \[32, 48\], found \[32, 47\]"):
         qkv.weight.weight_loader(qkv.weight, torch.randn(32, 47), "k")
     merged = MergedColumnParallelLinear(48, [80, 80])
     with pytest.raises(ValueError, match=r"expected shape \[80, 48\], found \[40, 48\]"):
         merged.weight.weight_loader(merged.weight, torch.randn(40, 48), 1)
-    row = RowParallelLinear(80, 48, tp_rank=1, tp_size=2)
+    row = RowParallelLinear(80, 48, tp=TPGroup(1, 2))
     with pytest.raises(ValueError, match=r"expected shape \[48, 80\], found \[48, 40\]"):
         row.weight.weight_loader(row.weight, torch.randn(48, 40))
-    col = ColumnParallelLinear(48, 80, tp_rank=1, tp_size=2)
+    col = ColumnParallelLinear(48, 80, tp=TPGroup(1, 2))
     with pytest.raises(ValueError, match=r"expected shape \[80, 48\], found \[40, 48\]"):
         col.weight.weight_loader(col.weight, torch.randn(40, 48))
     rep = ReplicatedLinear(4, 6)
@@ -376,15 +396,15 @@ def test_weight_loaders_reject_bad_shard_ids():
 
 def test_sizes_that_do_not_divide_across_ranks_are_value_errors():
     with pytest.raises(ValueError, match="output_size"):
-        ColumnParallelLinear(4, 6, tp_rank=0, tp_size=4)
+        ColumnParallelLinear(4, 6, tp=TPGroup(0, 4))
     with pytest.raises(ValueError, match="input_size"):
-        RowParallelLinear(6, 4, tp_rank=0, tp_size=4)
+        RowParallelLinear(6, 4, tp=TPGroup(0, 4))
     with pytest.raises(ValueError, match="num_attention_heads"):
-        QKVParallelLinear(48, 16, 6, 2, tp_rank=0, tp_size=4)
+        QKVParallelLinear(48, 16, 6, 2, tp=TPGroup(0, 4))
     with pytest.raises(ValueError, match="tp_size / num_key_value_heads"):
-        QKVParallelLinear(48, 16, 12, 3, tp_rank=0, tp_size=4)
+        QKVParallelLinear(48, 16, 12, 3, tp=TPGroup(0, 4))
     with pytest.raises(ValueError, match="output_sizes"):
-        MergedColumnParallelLinear(4, [6, 8], tp_rank=0, tp_size=4)
+        MergedColumnParallelLinear(4, [6, 8], tp=TPGroup(0, 4))
 
 
 # ---------------------------------------------------------------- embedding and LM head
@@ -408,13 +428,13 @@ def test_vocab_parallel_ranks_combine_to_the_full_lookup_and_logits(vocab, tp_si
     ids = torch.cat([torch.arange(vocab), torch.randint(0, vocab, (11,))])
     lookups, logits = [], []
     for rank in range(tp_size):
-        embed = VocabParallelEmbedding(vocab, 8, tp_rank=rank, tp_size=tp_size)
-        head = ParallelLMHead(vocab, 8, tp_rank=rank, tp_size=tp_size)
+        embed = VocabParallelEmbedding(vocab, 8, tp=one_process_rank(rank, tp_size))
+        head = ParallelLMHead(vocab, 8, tp=TPGroup(rank, tp_size))
         embed.weight.weight_loader(embed.weight, table)
         head.weight.weight_loader(head.weight, table)
         assert embed.weight.shape == (-(-vocab // tp_size), 8)
         lookups.append(embed(ids))
-        logits.append(head(h))
+        logits.append(F.linear(h, head.weight))  # this rank's vocabulary slice (its forward all-gathers the slices)
     assert torch.equal(sum(lookups), F.embedding(ids, table))  # each id is found on exactly one rank
     torch.testing.assert_close(torch.cat(logits, dim=-1)[:, :vocab], F.linear(h, table))
 
@@ -426,7 +446,7 @@ def test_embedding_and_head_bad_input():
     with pytest.raises(ValueError, match="bias"):
         ParallelLMHead(97, 48, bias=True)
     with pytest.raises(ValueError, match="cannot tie"):
-        ParallelLMHead(97, 48).tie_weights(VocabParallelEmbedding(97, 48, tp_rank=0, tp_size=2))
+        ParallelLMHead(97, 48).tie_weights(VocabParallelEmbedding(97, 48, tp=TPGroup(0, 2)))
 
 
 # ---------------------------------------------------------------- a real 2-process group (gloo, CPU)
@@ -438,7 +458,7 @@ def free_port() -> int:
 
 
 def test_layers_over_a_real_process_group():
-    "Two processes, gloo: the layers read rank/size from torch.distributed and their collectives give full results."
+    "Two processes, gloo: the layers built with TPGroup(rank, 2, WORLD, WORLD); their collectives give full results."
     import torch.multiprocessing as mp
 
     sys.path.insert(0, str(Path(__file__).parent))

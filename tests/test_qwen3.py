@@ -1,13 +1,15 @@
-"""Qwen3ForCausalLM and the safetensors loader (notebook 07).
+"""Qwen3ForCausalLM, the safetensors loader and the model registry (notebook 07).
 
 Parity: our logits vs transformers' Qwen3ForCausalLM in float32, on the embedded tiny model and on random Qwen3s of
-several shapes, saved by `save_pretrained` and loaded through `load_model`. Several sequences of different lengths are
-packed into one step (cu_seqlens) and compared with transformers run on each sequence alone. The tolerance is relative
+several shapes, saved by `save_pretrained` and loaded through `load_model(model, folder, QWEN3_PACKED_WEIGHTS)`. Several
+sequences of different lengths are packed into one step (cu_seqlens in an AttentionMetadata) and compared with
+transformers run on each sequence alone. The tolerance is relative
 to the logits' scale: `max |ours - theirs| / max |theirs| < 1e-4`.
 """
 from __future__ import annotations
 
 import json
+import re
 import socket
 import sys
 from pathlib import Path
@@ -18,11 +20,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
-from minivllm.layers.attention import Attention
-from minivllm.models.qwen3 import Qwen3ForCausalLM
+from minivllm.layers.attention import Attention, AttentionMetadata
+from minivllm.layers.rotary_embedding import RotaryEmbedding
+from minivllm.models.loader import load_model, load_weights
+from minivllm.models.qwen3 import QWEN3_PACKED_WEIGHTS, Qwen3ForCausalLM
+from minivllm.models.registry import MODEL_REGISTRY, ModelSpec, build_model, load_config, model_spec
 from minivllm.tiny_model import TINY_MODEL_PATH
-from minivllm.utils.context import Context, reset_context, set_context
-from minivllm.utils.loader import load_config, load_model, load_weights
 
 RTOL = 1e-4
 
@@ -33,18 +36,10 @@ def rel_err(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return ((ours - theirs).abs().max() / theirs.abs().max()).item()
 
 
-@pytest.fixture(autouse=True)
-def fresh_context():
-    reset_context()
-    yield
-    reset_context()
-
-
-def prefill_context(lens: list[int], device="cpu") -> None:
+def prefill_meta(lens: list[int], device="cpu") -> AttentionMetadata:
     "A step that prefills whole sequences of these lengths, with no KV cache."
     cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
-    set_context(Context(is_decode_only=False, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                        max_seqlen_q=max(lens), max_seqlen_k=max(lens)))
+    return AttentionMetadata(cu, cu, max(lens), max(lens))
 
 
 def our_logits(model: Qwen3ForCausalLM, seqs: list[torch.Tensor]) -> torch.Tensor:
@@ -54,10 +49,7 @@ def our_logits(model: Qwen3ForCausalLM, seqs: list[torch.Tensor]) -> torch.Tenso
     ids = torch.cat(seqs).to(device)
     positions = torch.cat([torch.arange(n) for n in lens]).to(device)
     with torch.no_grad():
-        prefill_context(lens, device)
-        logits = model.compute_logits(model(ids, positions))
-        reset_context()
-    return logits
+        return model.compute_logits(model(ids, positions, prefill_meta(lens, device)))
 
 
 def hf_logits(hf, seqs: list[torch.Tensor]) -> torch.Tensor:
@@ -113,7 +105,7 @@ def save_hf(tmp_path: Path, name: str, hf, **save_kw) -> Path:
 
 
 def load_ours(folder: Path) -> Qwen3ForCausalLM:
-    return load_model(Qwen3ForCausalLM(load_config(folder)), folder).eval()
+    return load_model(Qwen3ForCausalLM(load_config(folder)), folder, QWEN3_PACKED_WEIGHTS).eval()
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -171,7 +163,7 @@ def test_tied_checkpoint_that_stores_lm_head_anyway(tmp_path):
     assert rel_err(our_logits(model, seqs), hf_logits(hf, seqs)) < RTOL
 
 
-def test_without_a_context_all_tokens_are_one_sequence(tmp_path):
+def test_without_metadata_all_tokens_are_one_sequence(tmp_path):
     hf = make_hf()
     model = load_ours(save_hf(tmp_path, "one", hf))
     ids = random_seqs(131, [8])[0]
@@ -186,8 +178,7 @@ def test_compute_logits_on_selected_rows(tmp_path):
     seqs = random_seqs(131, [4, 6, 2])
     lens = [4, 6, 2]
     with torch.no_grad():
-        prefill_context(lens)
-        hidden = model(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]))
+        hidden = model(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), prefill_meta(lens))
         last_rows = torch.tensor([3, 9, 11])  # the last token of each sequence: what the runner samples from
         logits = model.compute_logits(hidden[last_rows])
     assert logits.shape == (3, 131)
@@ -223,14 +214,12 @@ def kv_step(model, chunks: list[tuple[torch.Tensor, int, list[int]]], block_size
     width = max(len(t) for _, _, t in chunks)
     tables = torch.tensor([t + [-1] * (width - len(t)) for _, _, t in chunks], dtype=torch.int32)
     cumsum = lambda xs: torch.tensor([0] + xs).cumsum(0).to(torch.int32)  # noqa: E731
-    set_context(Context(is_decode_only=all(n == 1 for n in q_lens), cu_seqlens_q=cumsum(q_lens),
-                        cu_seqlens_k=cumsum(kv_lens), max_seqlen_q=max(q_lens), max_seqlen_k=max(kv_lens),
-                        slot_mapping=torch.tensor(slots), context_lens=torch.tensor(kv_lens, dtype=torch.int32),
-                        block_tables=tables))
+    meta = AttentionMetadata(cu_seqlens_q=cumsum(q_lens), cu_seqlens_k=cumsum(kv_lens), max_seqlen_q=max(q_lens),
+                             max_seqlen_k=max(kv_lens), slot_mapping=torch.tensor(slots),
+                             context_lens=torch.tensor(kv_lens, dtype=torch.int32), block_tables=tables)
+    assert meta.is_decode_only == all(n == 1 for n in q_lens)
     with torch.no_grad():
-        logits = model.compute_logits(model(torch.cat(ids), torch.cat(positions)))
-    reset_context()
-    return logits
+        return model.compute_logits(model(torch.cat(ids), torch.cat(positions), meta))
 
 
 def test_chunked_prefill_and_decode_through_the_paged_kv_cache(tiny):
@@ -244,7 +233,8 @@ def test_chunked_prefill_and_decode_through_the_paged_kv_cache(tiny):
             module.v_cache = torch.zeros_like(module.k_cache)
     try:
         a = torch.tensor(tokenizer.encode("def fibonacci(n):\n    if n < 2:\n"))[:13]
-        b = torch.tensor(tokenizer.encode("import os\nimport sys\n"))[:10]
+        b = torch.tensor(tokenizer.encode("import os\nimport sys\nimport json\n"))[:10]
+        assert (len(a), len(b)) == (13, 10)  # every step below has new tokens for both sequences
         table_a, table_b = [3, 7, 1, 9], [0, 5, 2]  # 4 blocks of 4 for 13 tokens, 3 for 10, scattered
         full_a, full_b = hf_logits(hf, [a])[:len(a)], hf_logits(hf, [b])[:len(b)]
         steps = [  # (a's new tokens from .. to, b's new tokens from .. to)
@@ -260,7 +250,7 @@ def test_chunked_prefill_and_decode_through_the_paged_kv_cache(tiny):
     finally:
         for module in model.modules():
             if isinstance(module, Attention):
-                module.k_cache = module.v_cache = torch.tensor([])
+                module.k_cache = module.v_cache = None  # the module-scoped model is shared: back to no cache
     assert cfg.num_hidden_layers == len(model.model.layers)
 
 
@@ -289,7 +279,7 @@ def broken(tmp_path: Path, checkpoint, files: dict[str, dict | bytes] | None = N
 
 def expect_load_error(folder: Path, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        load_model(Qwen3ForCausalLM(load_config(folder)), folder)
+        load_model(Qwen3ForCausalLM(load_config(folder)), folder, QWEN3_PACKED_WEIGHTS)
 
 
 def test_missing_tensor_is_named(tmp_path, checkpoint):
@@ -371,9 +361,68 @@ def test_load_config_accepts_only_qwen3_folders(tmp_path, checkpoint):
 
 def test_load_weights_from_any_named_tensors():
     hf = make_hf()
-    model = load_weights(Qwen3ForCausalLM(hf.config), hf.state_dict().items())
+    model = load_weights(Qwen3ForCausalLM(hf.config), hf.state_dict().items(), QWEN3_PACKED_WEIGHTS)
     seqs = random_seqs(131, [5])
     assert rel_err(our_logits(model.eval(), seqs), hf_logits(hf, seqs)) < RTOL
+
+
+# ---------------------------------------------------------------- the model registry
+
+def test_registry_spec_of_a_qwen3_config():
+    cfg = load_config(TINY_MODEL_PATH)
+    spec = model_spec(cfg)
+    assert isinstance(spec, ModelSpec) and spec is MODEL_REGISTRY["qwen3"]
+    assert spec.model_class is Qwen3ForCausalLM and spec.packed_weights is QWEN3_PACKED_WEIGHTS
+
+
+def test_load_config_refuses_a_type_the_registry_does_not_know(tmp_path):
+    assert "mistral" not in MODEL_REGISTRY
+    (tmp_path / "config.json").write_text('{"model_type": "mistral"}')
+    known = ", ".join(MODEL_REGISTRY)   # the message names every type the registry knows
+    with pytest.raises(ValueError, match=re.escape(f"type 'mistral'; minivllm runs {known} models")):
+        load_config(tmp_path)
+
+
+def test_build_model_equals_loading_by_hand():
+    cfg = load_config(TINY_MODEL_PATH)
+    built = build_model(cfg, TINY_MODEL_PATH, torch.float32, torch.device("cpu"))
+    by_hand = load_model(Qwen3ForCausalLM(cfg), TINY_MODEL_PATH, QWEN3_PACKED_WEIGHTS).eval()
+    assert type(built) is Qwen3ForCausalLM and not built.training
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in built.parameters())
+    seqs = random_seqs(cfg.vocab_size, [7, 1, 5])
+    assert torch.equal(our_logits(built, seqs), our_logits(by_hand, seqs))
+
+
+def test_build_model_makes_the_parameters_in_the_dtype_asked_for():
+    default = torch.get_default_dtype()
+    model = build_model(load_config(TINY_MODEL_PATH), TINY_MODEL_PATH, torch.bfloat16, torch.device("cpu"))
+    assert torch.get_default_dtype() == default   # restored
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.model.layers[0].self_attn.rotary_emb.cos_sin_cache.dtype == torch.float32   # the angles stay float32
+
+
+# ---------------------------------------------------------------- one rotary embedding per model
+
+def test_one_rotary_embedding_per_model_shared_by_its_layers():
+    config = Qwen3Config(**(BASE | dict(num_hidden_layers=3)))
+    a, b = Qwen3ForCausalLM(config), Qwen3ForCausalLM(config)
+    rope = a.model.layers[0].self_attn.rotary_emb
+    assert isinstance(rope, RotaryEmbedding)
+    assert all(layer.self_attn.rotary_emb is rope for layer in a.model.layers)
+    assert b.model.layers[0].self_attn.rotary_emb is not rope   # two models (two engines) share no state
+    assert rope.cos_sin_cache.dtype == torch.float32 and rope.cos_sin_cache.shape == (256, 32)
+    # a non-persistent buffer: one for the whole model, not in the state dict (nor in checkpoints)
+    assert [name for name, _ in a.named_buffers()] == ["model.layers.0.self_attn.rotary_emb.cos_sin_cache"]
+    assert not any("cos_sin_cache" in name for name in a.state_dict())
+    # it moves with the model's .to(), still shared; the other model's stays where it was
+    a.to("meta")
+    assert all(layer.self_attn.rotary_emb is rope for layer in a.model.layers)
+    assert rope.cos_sin_cache.device.type == "meta"
+    assert b.model.layers[0].self_attn.rotary_emb.cos_sin_cache.device.type == "cpu"
+    # and it is made on the device the model is built on
+    with torch.device("meta"):
+        c = Qwen3ForCausalLM(config)
+    assert c.model.layers[2].self_attn.rotary_emb.cos_sin_cache.device.type == "meta"
 
 
 # ---------------------------------------------------------------- unsupported configs and bad input
@@ -390,16 +439,8 @@ def test_unsupported_configs_are_refused(overrides, match):
         Qwen3ForCausalLM(Qwen3Config(**(BASE | overrides)))
 
 
-def test_forward_wants_flat_tokens():
-    model = Qwen3ForCausalLM(Qwen3Config(**BASE))
-    with pytest.raises(ValueError, match=r"\[num_tokens\]"):
-        model(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"\[num_tokens\]"):
-        model(torch.zeros(3, dtype=torch.long), torch.zeros(4, dtype=torch.long))
-
-
-def test_packed_modules_mapping():
-    assert Qwen3ForCausalLM.packed_modules_mapping == {
+def test_packed_weights_mapping():
+    assert QWEN3_PACKED_WEIGHTS == {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
@@ -451,12 +492,15 @@ def qwen3_06b_random(tmp_path_factory):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_qwen3_06b_dimensions_on_gpu_match_transformers(qwen3_06b_random, monkeypatch, backend):
     "Qwen3-0.6B's architecture (28 layers, random weights), float32 on CUDA, through the normal loader."
-    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", backend)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     folder, hf = qwen3_06b_random
     with torch.device("cuda"):
         model = Qwen3ForCausalLM(load_config(folder))
-    load_model(model, folder).eval()
+    load_model(model, folder, QWEN3_PACKED_WEIGHTS).eval()
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.backend = backend   # what the engine does with the backend its Config chose
+    assert model.model.layers[0].self_attn.rotary_emb.cos_sin_cache.is_cuda
     seqs = random_seqs(hf.config.vocab_size, [37, 1, 129, 64, 5])
     ours, theirs = our_logits(model, seqs), hf_logits(hf, seqs)
     assert ours.is_cuda and ours.dtype == torch.float32

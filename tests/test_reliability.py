@@ -28,11 +28,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
+from minivllm.engine.kv_cache import kv_block_bytes
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.model_runner import kv_block_bytes
-from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.sequence import Sequence
-from minivllm.utils.loader import load_config
+from minivllm.models.registry import load_config
 
 HF_CONFIG = load_config(TINY_MODEL_PATH)
 VOCAB = HF_CONFIG.vocab_size
@@ -65,10 +65,11 @@ def token_ids(outputs) -> list[list[int]]:
 def assert_clean(engine: LLMEngine) -> None:
     "No request left anywhere, every KV block free, the bookkeeping consistent."
     scheduler, bm = engine.scheduler, engine.scheduler.block_manager
-    assert engine.requests == {} and engine._by_seq == {}
+    assert engine.requests == {} and engine.outputs.by_seq == {}
     assert not scheduler.waiting and not scheduler.running and not scheduler.has_unfinished()
-    assert bm.num_free_blocks == bm.num_blocks == engine.model_runner.num_blocks
-    assert len(engine.model_runner.generators) == 0   # no seeded generator of a dead request
+    assert bm.num_free_blocks == bm.num_blocks == engine.executor.num_blocks == engine.executor.runner.num_blocks
+    sampling = engine.executor.runner.sampling
+    assert sampling.generators == {} and sampling.params == {}   # no seeded generator (or params) of a dead request
     scheduler.check_invariants()
 
 
@@ -194,16 +195,15 @@ def test_generate_ids_do_not_collide_with_callers_ids(llm, expected):
 
 
 def test_longest_prompt_generates_exactly_one_token(llm):
-    "A prompt may have max_model_len - 1 tokens (one is left to generate); the scheduler's own limit agrees."
+    "A prompt may have max_model_len - 1 tokens (one is left to generate); the engine's add_request agrees."
     out = llm.generate([[7] * (MAX_MODEL_LEN - 1)], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 1 and out.finish_reason == "length"
-    scheduler = Scheduler(num_blocks=8, block_size=16, max_num_seqs=2, max_num_batched_tokens=128,
-                          max_model_len=MAX_MODEL_LEN)
-    scheduler.add(Sequence([7] * (MAX_MODEL_LEN - 1), block_size=16))
-    with pytest.raises(ValueError, match=f"fewer than max_model_len \\({MAX_MODEL_LEN}\\)"):
-        scheduler.add(Sequence([7] * MAX_MODEL_LEN, block_size=16))
-    assert_clean(llm.llm_engine)
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match=f"request has {MAX_MODEL_LEN} tokens; with max_model_len={MAX_MODEL_LEN} "
+                                         f"a prompt may have at most {MAX_MODEL_LEN - 1}"):
+        engine.add_request([7] * MAX_MODEL_LEN, GREEDY)
+    assert_clean(engine)
 
 
 @pytest.mark.parametrize("prompt_len", [1, 20, MAX_MODEL_LEN - 2])
@@ -414,9 +414,9 @@ def test_small_kv_cache_preempts_and_gives_the_same_tokens():
 
 
 # ---- 4. faults inside a step --------------------------------------------------------------------------------------
-def runner_step(runner) -> str:
-    "The runner method the engine calls once per step: `collect` (when steps are launched, then collected) or `run`."
-    return "collect" if callable(getattr(runner, "collect", None)) else "run"
+def runner_step(engine: LLMEngine) -> tuple[ModelRunner, str]:
+    "The runner method the engine calls (through its executor) once per step: `collect` (of a launched step)."
+    return engine.executor.runner, "collect"
 
 
 def fail_once(monkeypatch, obj, name: str, exc: type[BaseException], after: int = 2):
@@ -436,24 +436,26 @@ def fail_once(monkeypatch, obj, name: str, exc: type[BaseException], after: int 
 @pytest.mark.parametrize("where", ["runner", "model.forward", "scheduler.postprocess"])
 def test_fault_in_a_step_leaves_the_engine_usable(llm, expected, monkeypatch, exc, where):
     engine = llm.llm_engine
-    owner, name = {"runner": (engine.model_runner, runner_step(engine.model_runner)),
-                   "model.forward": (engine.model_runner.model, "forward"),
+    owner, name = {"runner": runner_step(engine),
+                   "model.forward": (engine.executor.runner.model, "forward"),
                    "scheduler.postprocess": (engine.scheduler, "postprocess")}[where]
     calls = fail_once(monkeypatch, owner, name, exc)
     seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=8)   # a request with its own generator
-    first_seq_id = next(Sequence.counter)
+    gc.collect()
+    before = [o for o in gc.get_objects() if type(o) is Sequence]   # (kept alive: their ids stay theirs)
     with pytest.raises(exc, match="injected fault"):
         llm.generate(GOOD + [[1, 2, 3]], [GREEDY] * len(GOOD) + [seeded], use_tqdm=False)
     assert calls[0] == 3
     assert_clean(engine)
     gc.collect()   # and nothing holds the aborted sequences any more
-    assert not [o for o in gc.get_objects() if isinstance(o, Sequence) and o.seq_id >= first_seq_id]
+    old = {id(o) for o in before}
+    assert not [o for o in gc.get_objects() if type(o) is Sequence and id(o) not in old]
+    del before
     assert_works(llm, expected)
 
 
 def test_fault_in_a_stream_leaves_the_engine_usable(llm, expected, monkeypatch):
-    runner = llm.llm_engine.model_runner
-    fail_once(monkeypatch, runner, runner_step(runner), RuntimeError)
+    fail_once(monkeypatch, *runner_step(llm.llm_engine), RuntimeError)
     with pytest.raises(RuntimeError, match="injected fault"):
         list(llm.stream("def f():", SamplingParams(temperature=0, max_tokens=10)))
     assert_clean(llm.llm_engine)
@@ -510,7 +512,7 @@ def test_stream_never_shows_part_of_a_stop_string(llm, stop):
 def test_step_can_be_retried_after_a_fault(llm, expected, monkeypatch):
     "Driving LLMEngine by hand: a failed step keeps the requests; the next step() carries on from where it was."
     engine = llm.llm_engine
-    fail_once(monkeypatch, engine.model_runner, runner_step(engine.model_runner), RuntimeError, after=3)
+    fail_once(monkeypatch, *runner_step(engine), RuntimeError, after=3)
     ids = [engine.add_request(p, GREEDY) for p in GOOD]
     done, faults = {}, 0
     while engine.has_unfinished_requests():
@@ -527,7 +529,7 @@ def test_fault_keeps_the_callers_own_requests(llm, expected, monkeypatch):
     "generate() aborts only its own requests; one queued with add_request stays, and can still finish."
     engine = llm.llm_engine
     mine = engine.add_request([1, 2, 3], GREEDY, request_id="mine")
-    fail_once(monkeypatch, engine.model_runner, runner_step(engine.model_runner), KeyboardInterrupt)
+    fail_once(monkeypatch, *runner_step(engine), KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(GOOD, GREEDY, use_tqdm=False)
     assert list(engine.requests) == [mine]
@@ -541,7 +543,7 @@ def test_fault_keeps_the_callers_own_requests(llm, expected, monkeypatch):
 
 # ---- 4b. closing releases the model and the KV cache ------------------------------------------------------------
 def model_refs(llm: LLM) -> tuple[weakref.ref, weakref.ref]:
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.executor.runner
     return weakref.ref(runner.model), weakref.ref(runner.kv_cache)
 
 
@@ -576,7 +578,7 @@ def test_close_returns_the_kv_cache_memory_to_the_system():
     rss = lambda: psutil.Process().memory_info().rss
     size_gib = 0.25
     llm = cpu_llm(TINY_MODEL_PATH, max_model_len=256, cpu_kvcache_space_gib=size_gib)
-    kv = llm.llm_engine.model_runner.kv_cache
+    kv = llm.llm_engine.executor.runner.kv_cache
     assert kv.numel() * kv.element_size() == pytest.approx(size_gib * 2**30, rel=0.01)
     kv.fill_(0)   # on a CPU the cache's pages are only real once written
     del kv
@@ -593,11 +595,11 @@ def test_failed_construction_leaves_nothing_behind(monkeypatch):
     import minivllm.engine.llm_engine as llm_engine
 
     class BrokenScheduler:
-        def __init__(self, **kwargs):
+        def __init__(self, *args, **kwargs):
             raise ValueError("broken scheduler")
-    real_close = llm_engine.ModelRunner.close
+    real_close = ModelRunner.close
     monkeypatch.setattr(llm_engine, "Scheduler", BrokenScheduler)
-    monkeypatch.setattr(llm_engine.ModelRunner, "close", lambda self: closed.append(self) or real_close(self))
+    monkeypatch.setattr(ModelRunner, "close", lambda self: closed.append(self) or real_close(self))
     with pytest.raises(ValueError, match="broken scheduler"):
         cpu_llm(TINY_MODEL_PATH, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=16)
     assert len(closed) == 1 and closed[0].model is None and closed[0].kv_cache is None

@@ -1,4 +1,5 @@
-"""Tests of minivllm.layers.sampler: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Tests of minivllm.layers.sampler (greedy, temperature, top-k, top-p, min-p, logprobs) and of the seeds that
+minivllm.engine.sampling_cache.SamplingCache keeps (a seeded request's own generator, the engine's for the others).
 
 References: the argmax of the raw logits; Hugging Face `transformers`' logits warpers (chained in `generate`'s
 order: temperature, top-k, top-p, min-p); a plain-Python float64 implementation of the same rules; chi-square tests of
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,8 +18,10 @@ from scipy.stats import chisquare
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from minivllm.layers.sampler import (LogprobsTensors, Sampler, SamplingTensors, SeedGenerators, apply_min_p,
-                                     apply_top_k, apply_top_k_top_p, gather_logprobs, random_sample)
+from minivllm import LLM, TINY_MODEL_PATH
+from minivllm.engine.sampling_cache import SamplingCache
+from minivllm.layers.sampler import (LogprobsTensors, Sampler, SamplingTensors, apply_min_p, apply_top_k,
+                                     apply_top_k_top_p, gather_logprobs, random_sample)
 from minivllm.sampling_params import SamplingParams
 
 # The running example of notebook 06: 12 candidate tokens after "def fibonacci(n):\n    ".
@@ -151,13 +155,6 @@ def test_sampling_tensors_flags_and_neutral_values():
     assert s.top_p.tolist() == pytest.approx([0.9, 1.0]) and s.min_p.tolist() == pytest.approx([0.0, 0.05])
     assert s.max_num_logprobs is None
     assert s.temperatures.dtype == torch.float32 and s.top_p.dtype == torch.float32
-
-
-def test_sampling_tensors_bad_input():
-    with pytest.raises(ValueError, match="at least one"):
-        SamplingTensors.from_params([])
-    with pytest.raises(TypeError, match="SamplingParams"):
-        SamplingTensors.from_params([{"temperature": 0.5}])
 
 
 # ---------------------------------------------------------------- filters against transformers
@@ -328,27 +325,39 @@ def test_random_sample_is_unbiased_and_ignores_zero_probabilities():
 def test_a_seeded_request_samples_the_right_distribution_over_steps():
     "One request, one generator, 3000 steps: its draws follow the filtered law (the generator path is unbiased too)."
     sp = SamplingParams(temperature=0.7, top_p=0.95, seed=2024)
-    s = SamplingTensors.from_params([sp])
-    gens = SeedGenerators()
+    cache = SamplingCache(torch.device("cpu"), seed=0)
+    cache.add(0, sp)
+    s, gens = cache.batch(np.array([0]))
     row = torch.tensor([EXAMPLE])
-    ids = torch.cat([sampler(row, s, gens.for_batch([0], [sp])) for _ in range(3000)])
+    ids = torch.cat([sampler(row, s, gens, cache.generator) for _ in range(3000)])
     assert_frequencies(ids, reference_probs(EXAMPLE, T=0.7, p=0.95), "seeded steps")
 
 
 # ---------------------------------------------------------------- seeds
 
+CPU = torch.device("cpu")
+
+
+def sampling_cache(seq_ids, params: list[SamplingParams], seed: int = 0) -> SamplingCache:
+    "A SamplingCache (its own generator seeded with `seed`) that knows the requests `seq_ids`."
+    cache = SamplingCache(CPU, seed)
+    for seq_id, sp in zip(seq_ids, params):
+        cache.add(int(seq_id), sp)
+    return cache
+
+
 def seeded_run(layout: list[SamplingParams], seeded_row: int, steps: list[torch.Tensor], default_seed: int,
                seq_ids: list[int] | None = None) -> list[int]:
-    "Sample each step's logits (the seeded request's row given, the others random); return the seeded row's tokens."
-    gens = SeedGenerators()
-    seq_ids = seq_ids or list(range(100, 100 + len(layout)))
-    s = SamplingTensors.from_params(layout)
-    torch.manual_seed(default_seed)
+    """Sample each step's logits (the seeded request's row given, the others random); return the seeded row's tokens.
+    The rows without a seed draw from the cache's own generator, seeded with `default_seed` (the engine's seed)."""
+    seq_ids = np.array(seq_ids or range(100, 100 + len(layout)))
+    cache = sampling_cache(seq_ids, layout, seed=default_seed)
     out = []
     for t, row_logits in enumerate(steps):
         logits = random_logits(len(layout), row_logits.shape[-1], seed=default_seed * 1000 + t)
         logits[seeded_row] = row_logits
-        out.append(int(sampler(logits, s, gens.for_batch(seq_ids, layout))[seeded_row]))
+        s, gens = cache.batch(seq_ids)
+        out.append(int(sampler(logits, s, gens, cache.generator)[seeded_row]))
     return out
 
 
@@ -366,11 +375,27 @@ def test_seed_gives_the_same_tokens_in_any_batch_at_any_row():
     runs = [seeded_run(layout, row, steps, default_seed=i) for i, (layout, row) in enumerate(layouts)]
     assert all(run == runs[0] for run in runs), runs
     assert len(set(runs[0])) > 3  # really random: many different tokens over 12 steps
-    # a different seed gives different tokens; no seed follows the default generator
+    # a different seed gives different tokens; no seed follows the cache's own generator (the engine's seed)
     other = SamplingParams(temperature=1.0, seed=78)
     assert seeded_run([other], 0, steps, default_seed=0) != runs[0]
     unseeded = SamplingParams(temperature=1.0)
     assert seeded_run([unseeded], 0, steps, default_seed=0) != seeded_run([unseeded], 0, steps, default_seed=1)
+
+
+def test_rows_without_a_seed_follow_the_engine_seed_not_torchs_global_rng():
+    steps = [random_logits(1, 2000, seed=700 + t, scale=1.0)[0] for t in range(12)]
+    layout = [SamplingParams(temperature=1.0), SamplingParams(top_p=0.9), SamplingParams(temperature=0.0)]
+    torch.manual_seed(1)
+    first = seeded_run(layout, 0, steps, default_seed=3)
+    torch.manual_seed(123)   # torch's global generator plays no part
+    assert seeded_run(layout, 0, steps, default_seed=3) == first
+    assert len(set(first)) > 3
+    # a request's seed is its own: the cache's generator draws only for the rows without one
+    cache = sampling_cache([0, 1], [SamplingParams(seed=9), SamplingParams(seed=10)], seed=4)
+    state = cache.generator.get_state()
+    s, gens = cache.batch(np.array([0, 1]))
+    sampler(random_logits(2, 100, seed=0), s, gens, cache.generator)
+    assert torch.equal(cache.generator.get_state(), state)
 
 
 def test_seeded_request_with_filters_is_reproducible():
@@ -382,27 +407,77 @@ def test_seeded_request_with_filters_is_reproducible():
     assert a == b
 
 
-def test_seed_generators_lifecycle():
-    gens = SeedGenerators()
+def test_sampling_cache_lifecycle():
     params = [SamplingParams(seed=1), SamplingParams(), SamplingParams(temperature=0.0, seed=2), SamplingParams(seed=3)]
-    rows = gens.for_batch([10, 11, 12, 13], params)
-    assert sorted(rows) == [0, 3] and len(gens) == 2 and 10 in gens and 12 not in gens  # greedy: no generator
-    again = gens.for_batch([13, 10], [params[3], params[0]])
+    cache = sampling_cache([10, 11, 12, 13], params)
+    s, rows = cache.batch(np.array([10, 11, 12, 13]))
+    assert s.batch_size == 4 and s.greedy_mask.tolist() == [False, False, True, False]
+    assert sorted(rows) == [0, 3] and len(cache.generators) == 2   # greedy: no generator
+    assert 10 in cache.generators and 12 not in cache.generators
+    s, again = cache.batch(np.array([13, 10]))
+    assert s.batch_size == 2 and s.all_random
     assert again[0] is rows[3] and again[1] is rows[0]  # kept across steps, whatever the row
-    gens.free(10)
-    gens.free(999)  # unknown ids are ignored
-    assert len(gens) == 1 and 10 not in gens
-    with pytest.raises(ValueError, match="2 sequence ids but 1"):
-        gens.for_batch([1, 2], [SamplingParams()])
+    assert cache.batch(np.array([11, 12]))[1] is None   # no row with a seed
+    assert all(g is not cache.generator for g in rows.values())
+    cache.free(10)
+    cache.free(999)  # unknown ids are ignored
+    assert len(cache.generators) == 1 and 10 not in cache.generators and 10 not in cache.params
+    assert sorted(cache.params) == [11, 12, 13]
+    s, rows = cache.batch(np.array([13, 11]))
+    assert s.batch_size == 2 and list(rows) == [0]
+
+
+def test_sampling_cache_tensors_follow_the_batch():
+    "The same requests give the same tensors; a batch of other requests (or another order) gets its own."
+    params = [SamplingParams(temperature=0.5, top_k=3), SamplingParams(top_p=0.8), SamplingParams(temperature=0.0)]
+    cache = sampling_cache([0, 1, 2], params)
+    for ids in ([0, 1, 2], [2, 0], [1], [0, 1, 2]):
+        s, _ = cache.batch(np.array(ids))
+        ref = SamplingTensors.from_params([params[i] for i in ids])
+        assert s.batch_size == ref.batch_size and s.all_greedy == ref.all_greedy
+        for name in ("temperatures", "greedy_mask", "top_k", "top_p", "min_p"):
+            a, b = getattr(s, name), getattr(ref, name)
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (ids, name)
 
 
 def test_generator_state_advances_between_steps():
     sp = SamplingParams(seed=0)
-    s = SamplingTensors.from_params([sp])
-    gens = SeedGenerators()
+    cache = sampling_cache([0], [sp])
     flat = torch.zeros(1, 1000)  # uniform: every step's token is just the noise's argmin
-    ids = [int(sampler(flat, s, gens.for_batch([0], [sp]))) for _ in range(5)]
+    ids = [int(sampler(flat, *cache.batch(np.array([0])), cache.generator)) for _ in range(5)]
     assert len(set(ids)) == 5
+    # and so does the engine's own generator, for a request without a seed
+    cache = sampling_cache([0], [SamplingParams()])
+    ids = [int(sampler(flat, *cache.batch(np.array([0])), cache.generator)) for _ in range(5)]
+    assert len(set(ids)) == 5
+
+
+ENGINE_PROMPTS = ["def fibonacci(n):\n    ", [5, 6, 7, 8], "import os\n", [9, 10, 11]]
+
+
+def engine_random_outputs(seed: int, params: list[SamplingParams], prompts=ENGINE_PROMPTS) -> list[list[int]]:
+    "The token ids an engine (tiny model, CPU, float32) with `Config.seed=seed` generates for `prompts`."
+    with LLM(TINY_MODEL_PATH, device="cpu", dtype="float32", max_model_len=64, num_kvcache_blocks=32,
+             seed=seed) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_engine_random_outputs_depend_on_its_seed_only():
+    """Temperature 1.0 without a seed: two engines with the same Config.seed give the same tokens, whatever torch's
+    global RNG did in between; another seed gives other tokens. A request with its own seed gives the same tokens
+    whatever its neighbours in the batch."""
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    torch.manual_seed(0)
+    first = engine_random_outputs(0, params)
+    torch.manual_seed(123)
+    assert engine_random_outputs(0, params) == first
+    assert len({t for ids in first for t in ids}) > 10   # really random
+    assert engine_random_outputs(1, params) != first
+    seeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=42)
+    alone = engine_random_outputs(0, [seeded], ENGINE_PROMPTS[:1])
+    among = engine_random_outputs(5, [params, params, seeded, params], ENGINE_PROMPTS[1:3] + ENGINE_PROMPTS[:1]
+                                  + ENGINE_PROMPTS[3:])
+    assert among[2] == alone[0]
 
 
 # ---------------------------------------------------------------- logprobs
@@ -447,46 +522,15 @@ def test_logprobs_of_low_precision_logits_and_large_n():
 def test_cumulative_logprob_as_the_engine_adds_it():
     logits_steps = [random_logits(1, 50, seed=20 + t) for t in range(6)]
     sp = SamplingParams(logprobs=1, seed=4)
-    s, gens = SamplingTensors.from_params([sp]), SeedGenerators()
+    cache = sampling_cache([0], [sp])
     cumulative, expected = 0.0, 0.0
     for logits in logits_steps:
-        ids = sampler(logits, s, gens.for_batch([0], [sp]))
+        s, gens = cache.batch(np.array([0]))
+        ids = sampler(logits, s, gens, cache.generator)
         d = gather_logprobs(logits, ids, s.max_num_logprobs).tolists(s.num_logprobs)[0]
         cumulative += d[int(ids[0])]
         expected += float(torch.log_softmax(logits.double(), -1)[0, ids[0]])
     assert cumulative == pytest.approx(expected, abs=1e-4)
-
-
-def test_gather_logprobs_bad_input():
-    with pytest.raises(ValueError, match="token_ids"):
-        gather_logprobs(torch.zeros(3, 5), torch.zeros(2, dtype=torch.long), 1)
-    with pytest.raises(ValueError, match=">= 0"):
-        gather_logprobs(torch.zeros(3, 5), torch.zeros(3, dtype=torch.long), -1)
-    with pytest.raises(ValueError, match="counts for 3 rows"):
-        gather_logprobs(torch.zeros(3, 5), torch.zeros(3, dtype=torch.long), 1).tolists([1, 1])
-
-
-# ---------------------------------------------------------------- bad input to the Sampler
-
-def test_sampler_rejects_mismatched_inputs():
-    s = SamplingTensors.from_params([SamplingParams(), SamplingParams(top_p=0.9)])
-    with pytest.raises(ValueError, match="3 rows but the SamplingTensors describe 2"):
-        sampler(torch.zeros(3, 10), s)
-    with pytest.raises(ValueError, match=r"\[batch, vocab\]"):
-        sampler(torch.zeros(10), s)
-    with pytest.raises(ValueError, match=r"\[batch, vocab\]"):
-        sampler(torch.zeros(2, 1, 10), s)
-    with pytest.raises(ValueError, match="empty vocabulary"):
-        sampler(torch.zeros(2, 0), s)
-    with pytest.raises(TypeError, match="floating-point"):
-        sampler(torch.zeros(2, 10, dtype=torch.long), s)
-    with pytest.raises(ValueError, match="row 2, outside the batch of 2"):
-        sampler(torch.zeros(2, 10), s, {2: torch.Generator()})
-    with pytest.raises(ValueError, match="SamplingTensors are on cpu"):
-        sampler(torch.zeros(2, 10, device="meta"), s)
-    greedy = SamplingTensors.from_params([SamplingParams(temperature=0.0)])
-    with pytest.raises(ValueError, match="2 rows but the SamplingTensors describe 1"):
-        sampler(torch.zeros(2, 10), greedy)
 
 
 # ---------------------------------------------------------------- GPU (run by the lead on the H200)
@@ -499,7 +543,12 @@ def test_cuda_sampler_end_to_end():
     s = SamplingTensors.from_params(params, device=dev)  # the pinned, non-blocking copies
     assert s.temperatures.device.type == "cuda" and s.top_k.tolist() == [0, 3, 0, 5]
     logits = random_logits(4, 151_936, seed=0).to(dev, torch.bfloat16)
-    ids = sampler(logits, s, SeedGenerators(dev).for_batch([0, 1, 2, 3], params))
+    cache = SamplingCache(dev, seed=0)
+    for seq_id, sp in enumerate(params):
+        cache.add(seq_id, sp)
+    gens = cache.batch(np.arange(4))[1]
+    assert list(gens) == [2] and gens[2].device.type == "cuda"
+    ids = sampler(logits, s, gens, cache.generator)
     assert ids.device.type == "cuda" and ids[0] == logits[0].float().argmax()
     lt = gather_logprobs(logits, ids, s.max_num_logprobs)
     ref = torch.log_softmax(logits.float(), -1).gather(1, ids.unsqueeze(1))
@@ -525,11 +574,14 @@ def test_cuda_frequencies_and_seeds():
     steps = [random_logits(1, 151_936, seed=t)[0].to(dev) for t in range(8)]
     runs = []
     for layout, row in [([req], 0), ([SamplingParams(top_p=0.9), SamplingParams(), req], 2)]:
-        gens, s = SeedGenerators(dev), SamplingTensors.from_params(layout, device=dev)
+        cache = SamplingCache(dev, seed=len(runs))
+        for seq_id, sp in enumerate(layout):
+            cache.add(seq_id, sp)
         out = []
         for t, step in enumerate(steps):
             x = torch.randn(len(layout), step.shape[-1], device=dev)
             x[row] = step
-            out.append(int(sampler(x, s, gens.for_batch(list(range(len(layout))), layout))[row]))
+            s, gens = cache.batch(np.arange(len(layout)))
+            out.append(int(sampler(x, s, gens, cache.generator)[row]))
         runs.append(out)
     assert runs[0] == runs[1]

@@ -46,6 +46,13 @@ def test_append_opens_a_block_exactly_when_the_last_is_full():
     assert seq.completion_token_ids == list(range(3, 12)) and seq.prompt_token_ids == [0, 1, 2]
 
 
-def test_bad_block_size():
-    with pytest.raises(ValueError, match="block_size"):
-        Sequence([1], block_size=0)
+def test_seq_id_and_arrival_time_can_be_given():
+    seq = Sequence([1, 2], seq_id=7, arrival_time=1.5)
+    assert (seq.seq_id, seq.arrival_time) == (7, 1.5)
+    assert Sequence([1], seq_id=0).seq_id == 0          # an engine numbers its sequences from 0
+    assert Sequence([1]).arrival_time is not None and Sequence([1]).first_token_time is None
+
+
+def test_max_num_tokens_follows_max_tokens():
+    assert Sequence([1, 2, 3], SamplingParams(max_tokens=4)).max_num_tokens == 7
+    assert Sequence([1, 2, 3], SamplingParams(max_tokens=None)).max_num_tokens > 10**9

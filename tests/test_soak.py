@@ -24,13 +24,15 @@ import math
 import random
 import time
 
+import weakref
+
 import psutil
 import pytest
 
 from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
-from minivllm.engine.llm_engine import Request
+from minivllm.engine.output_processor import Request
 from minivllm.engine.sequence import Sequence
-from minivllm.utils.loader import load_config
+from minivllm.models.registry import load_config
 
 NUM_REQUESTS = 3000
 WARMUP = 500
@@ -130,12 +132,18 @@ class Checker:
         self.cached_tokens += out.num_cached_tokens
 
 
-def live_since(first_seq_id: int) -> tuple[int, int]:
+def census() -> dict[int, weakref.ref]:
+    "The Sequences and Requests alive now (other tests' leftovers, if any), by id."
+    gc.collect()
+    return {id(o): weakref.ref(o) for o in gc.get_objects() if isinstance(o, (Sequence, Request))}
+
+
+def live_since(before: dict[int, weakref.ref]) -> tuple[int, int]:
     "Sequences and Requests of this test still alive (other tests' leftovers, if any, are not counted)."
-    objects = gc.get_objects()
-    seqs = sum(isinstance(o, Sequence) and o.seq_id >= first_seq_id for o in objects)
-    requests = sum(isinstance(o, Request) and o.seq.seq_id >= first_seq_id for o in objects)
-    return seqs, requests
+    gc.collect()
+    new = [o for o in gc.get_objects() if isinstance(o, (Sequence, Request))
+           and not (id(o) in before and before[id(o)]() is o)]   # (an id of a dead leftover may be reused)
+    return sum(isinstance(o, Sequence) for o in new), sum(isinstance(o, Request) for o in new)
 
 
 def rss() -> int:
@@ -146,7 +154,7 @@ def rss() -> int:
 @pytest.mark.slow
 def test_soak():
     rng = random.Random(2025)
-    first_seq_id = next(Sequence.counter)
+    leftovers = census()   # engines number their sequences from 0: the objects alive before tell this test's apart
     start = time.perf_counter()
     llm = LLM(TINY_MODEL_PATH, device="cpu", max_model_len=MAX_MODEL_LEN, max_num_seqs=32,
               max_num_batched_tokens=512, num_kvcache_blocks=12 * MAX_MODEL_LEN // 16)
@@ -209,10 +217,13 @@ def test_soak():
           f"{warm_answered} requests -> {rss_end / 2**20:.0f} MB at the end")
     # every request answered; the engine is empty and consistent
     assert checker.answered + abandoned >= NUM_REQUESTS and abandoned > 0
-    assert engine.requests == {} and engine._by_seq == {} and not engine.scheduler.has_unfinished()
-    assert bm.num_free_blocks == bm.num_blocks and len(engine.model_runner.generators) == 0
+    assert engine.requests == {} and engine.outputs.by_seq == {} and not engine.outputs.watched
+    assert not engine.scheduler.has_unfinished() and engine.in_flight is None
+    sampling = engine.executor.runner.sampling
+    assert bm.num_free_blocks == bm.num_blocks and sampling.generators == {} and sampling.params == {}
+    assert engine.builder.tables.rows == {}   # every block-table row given back
     engine.scheduler.check_invariants()
-    assert live_since(first_seq_id) == (0, 0)
+    assert live_since(leftovers) == (0, 0)
     # the workload did what it was meant to
     assert stats.num_preemptions > 0 and checker.cached_tokens > 0 and checker.repeats > 20
     assert set(checker.reasons) == {"stop", "length"}

@@ -61,8 +61,9 @@ def _load_build_script() -> ModuleType:
 
 @pytest.fixture(scope="module")
 def model_path() -> Path:
-    # Later: `from minivllm.tiny_model import TINY_MODEL_PATH; return Path(TINY_MODEL_PATH)`.
-    return REPO_ROOT / "minivllm" / "data" / "tiny-qwen3"
+    from minivllm.tiny_model import TINY_MODEL_PATH
+
+    return Path(TINY_MODEL_PATH)
 
 
 @pytest.fixture(scope="module")

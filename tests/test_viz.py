@@ -11,9 +11,10 @@ import pytest  # noqa: E402
 from minivllm.engine.block_manager import BlockManager  # noqa: E402
 from minivllm.engine.scheduler import Scheduler  # noqa: E402
 from minivllm.engine.sequence import Sequence  # noqa: E402
+from minivllm.engine.step_trace import StepRecord, token_times  # noqa: E402
 from minivllm.sampling_params import SamplingParams  # noqa: E402
 from minivllm.viz import KVSnapshot, draw_fragmentation, draw_kv_cache, kv_cache_player, take_snapshot  # noqa: E402
-from minivllm.viz_timeline import StepRecord, draw_timeline, token_times  # noqa: E402
+from minivllm.viz_timeline import draw_timeline  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -26,10 +27,10 @@ def two_sharing_sequences():
     bm = BlockManager(8, block_size=4)
     a, b = Sequence(list(range(10)), block_size=4), Sequence(list(range(9)) + [50, 51], block_size=4)
     for s in (a, b):
-        bm.allocate_prefix(s)
-        bm.allocate(s, s.num_uncomputed_tokens)
+        match = bm.match_prefix(s)
+        bm.allocate(s, s.num_tokens - match.num_tokens, match)
         s.num_computed_tokens = s.num_tokens
-        bm.commit(s)
+        bm.commit(s, match.num_tokens // bm.block_size)
     return bm, a, b
 
 
@@ -87,9 +88,10 @@ def run_records(policy="mixed"):
         sched.add(s)
     records, clock = [], 0.0
     while sched.has_unfinished():
-        batch = sched.schedule()
-        finished = sched.postprocess(batch, [7] * sum(batch.sample_mask))
-        records.append(StepRecord.from_step(len(records), batch, finished, sched, start=clock, duration=0.5))
+        plan = sched.schedule()
+        finished = sched.postprocess(plan, [7] * sum(plan.sample))
+        records.append(StepRecord.from_step(len(records), plan, finished, sched, start=clock, duration=0.5,
+                                            wait=0.125))
         clock += 0.5
     return seqs, records
 
@@ -102,6 +104,9 @@ def test_step_records_and_token_times():
     assert (r1.seq_ids, r1.num_tokens, r1.is_prefill, r1.sampled) == (ids[:2], [1, 7], [False, True], [True, True])
     assert r2.finished == [ids[0]] and r2.total_tokens == 7 and r2.num_running == 2 and r2.num_waiting == 0
     assert records[-1].kv_usage == 0.0 and r0.kv_usage == 3 / 16   # 2 blocks for 6 tokens, 1 for a chunk of 2
+    assert r0.wait == 0.125 and r0.preempted == [] and r0.span() == (0.0, 1.0) and r0.span(use_time=True) == (0.0, 0.5)
+    assert not r0.is_decode_only and not r2.is_decode_only and records[3].is_decode_only
+    assert StepRecord(0, [1], [1], [False], [True]).wait is None
     assert token_times(records) == {ids[0]: [1.0, 2.0, 3.0], ids[1]: [2.0, 3.0, 4.0], ids[2]: [3.0, 4.0, 5.0]}
     assert token_times(records, use_time=True)[ids[0]] == [0.5, 1.0, 1.5]
 

@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from .scheduler import Scheduler, StepPlan
+
+
+def plan_lookahead(scheduler: Scheduler, plan: StepPlan) -> StepPlan | None:
+    """The decode step after `plan`, planned while `plan` still runs on the device: the sequences that will decode the
+    token `plan` is sampling for them (its value is not known yet, only that it will exist), with their blocks
+    reserved. None when that cannot be planned safely: `plan` is not a decode step of every running sequence, prompts
+    wait for a place, or blocks would run out (the engine then waits for `plan` and schedules normally). Sequences
+    that `plan` finishes by length are left out; ones it may finish by eos or a stop token are not (their extra token
+    is dropped when the step is collected)."""
+    running = len(scheduler.running)
+    if (scheduler.policy != "mixed" or not plan.is_decode_only or not len(plan.sampled) == len(plan.seqs) == running
+            or (scheduler.waiting and running < scheduler.max_num_seqs)):
+        return None
+    bs, limit, keep, rows, grow = scheduler.block_size, scheduler.max_model_len - 1, [], [], []
+    for row, seq in enumerate(plan.seqs):
+        n = seq.num_tokens
+        if n >= limit or n + 1 >= seq.max_num_tokens:
+            continue   # `plan` finishes it by length
+        if n // bs >= len(seq.block_table):   # its next token starts a new block
+            grow.append(seq)
+        keep.append(seq)
+        rows.append(row)
+    if not keep or len(grow) > scheduler.block_manager.num_free_blocks:
+        return None
+    for seq in grow:
+        scheduler.block_manager.reserve(seq, seq.num_tokens + 1)
+    return StepPlan.decode(keep, ahead_rows=rows)
