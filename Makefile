@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=1800
 
-.PHONY: venv test test-unit test-notebooks check-export export demo lab notebooks clean
+.PHONY: venv test test-unit test-notebooks check-export shape export demo lab notebooks clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,7 @@ test: venv
 	$(PY) -m pytest tests
 	$(PY) -m pytest $(NBVAL) notebooks/
 	$(PY) tools/export.py --check
+	$(PY) tools/shape.py
 
 test-unit: venv
 	$(PY) -m pytest tests
@@ -31,6 +32,10 @@ test-notebooks: venv
 
 check-export: venv
 	$(PY) tools/export.py --check
+
+## make shape: the longest cells, files and functions, and the limits make test enforces
+shape: venv
+	$(PY) tools/shape.py
 
 ## make export: write minivllm/ from the notebooks (the notebooks are the source of truth)
 export: venv

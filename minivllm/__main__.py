@@ -18,12 +18,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("prompts", nargs="*", help="prompts (default: one per line on stdin)")
     ap.add_argument("--model", default=TINY_MODEL_PATH, help="a Qwen3 checkpoint folder (default: the tiny model)")
     ap.add_argument("--demo", action="store_true", help="complete a few code prompts and report the throughput")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=-1)
-    ap.add_argument("--min-p", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=None)
+    for flag, kind, default in (("--max-tokens", int, 64), ("--temperature", float, 0.0), ("--top-p", float, 1.0),
+                                ("--top-k", int, -1), ("--min-p", float, 0.0), ("--seed", int, None)):
+        ap.add_argument(flag, type=kind, default=default)   # the sampling parameters
     ap.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     ap.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
     ap.add_argument("--no-stream", action="store_true", help="print a single prompt's completion at the end")
@@ -39,9 +36,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         return DEMO_PROMPTS
     if args.prompts:
         return args.prompts
-    if sys.stdin.isatty():
-        return []
-    return [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    return [] if sys.stdin.isatty() else [line.rstrip("\n") for line in sys.stdin if line.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:

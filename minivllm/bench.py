@@ -42,8 +42,6 @@ def shared_prefix_workload(num_seqs: int = 256, prefix_len: int = 1024, own: tup
     prompts = [prefix + [random.randint(0, 10000) for _ in range(random.randint(*own))] for _ in range(num_seqs)]
     return prompts, [max_output] * num_seqs
 
-
-
 # %%
 def roofline(config: dict, prompt_lens: list[int], output_lens: list[int], bandwidth: float = 4.3e12,
              flops: float = 790e12, bytes_per_param: int = 2) -> dict:
@@ -65,8 +63,6 @@ def roofline(config: dict, prompt_lens: list[int], output_lens: list[int], bandw
                       (len(ctx) * 2 * matmul_params + sum(ctx) * attn_flops) / flops)
     total = prefill + decode
     return dict(prefill_s=prefill, decode_s=decode, total_s=total, max_output_tok_s=sum(output_lens) / total)
-
-
 
 # %%
 def random_qwen3_folder(path: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, **overrides) -> str:
@@ -92,8 +88,6 @@ def random_qwen3_folder(path: str, seed: int = 0, dtype: torch.dtype = torch.bfl
     gc.collect()
     return path
 
-
-
 # %%
 @dataclass
 class BenchResult:
@@ -118,7 +112,6 @@ class BenchResult:
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
 
 # %%
 def run_minivllm(model: str, prompts: list[list[int]], output_lens: list[int], workload: str = "standard",
@@ -179,8 +172,6 @@ def run_transformers(model: str, prompts: list[list[int]], output_lens: list[int
     return BenchResult("transformers", workload, len(prompts), sum(map(len, prompts)),
                        sum(len(o.generated_tokens) for o in results.values()), seconds)
 
-
-
 # %%
 def environment() -> dict:
     import platform
@@ -231,6 +222,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 # %%
+class Report:
+    "The benchmark's results: each run printed as it comes, and kept for the JSON file."
+
+    def __init__(self, **info):
+        self.data = dict(info, runs=[])
+
+    def add(self, result: BenchResult, bound: dict | None = None, trace: list | None = None) -> None:
+        line, entry = result.line(), dict(asdict(result), output_tok_s=result.output_tok_s)
+        if bound:
+            entry["roofline"] = bound
+            entry["fraction_of_bound"] = result.output_tok_s / bound["max_output_tok_s"]
+            line += f" = {entry['fraction_of_bound']:.1%} of the bound ({bound['max_output_tok_s']:,.0f})"
+        if trace:
+            entry["host_ms_per_decode_step_at_batch_256"] = (host_time_per_decode_step(trace, 256) or 0) * 1e3
+            entry["trace"] = [dict(t=r.start, step_s=r.duration, wait_s=r.wait, batch=len(r.seq_ids),
+                                   running=r.num_running, waiting=r.num_waiting, kv_usage=r.kv_usage,
+                                   decode_only=r.is_decode_only) for r in trace]
+        print(line, flush=True)
+        self.data["runs"].append(entry)
+
+# %%
+def run_workloads(args: argparse.Namespace, model: str, spec: dict, engine_kwargs: dict, report: Report) -> None:
+    "The standard workload (with its bound), then the side by side with transformers and the shared prefix, if asked."
+    if not args.skip_standard:
+        prompts, outs = standard_workload(args.num_seqs, args.max_input, args.max_output, args.seed)
+        bound = roofline(spec, list(map(len, prompts)), outs, args.bandwidth, args.flops)
+        result, trace = run_minivllm(model, prompts, outs, "standard", args.temperature, **engine_kwargs)
+        report.add(result, bound, trace)
+        host = host_time_per_decode_step(trace, 256)
+        if host is not None:
+            print(f"host time per decode step at batch 256: {host * 1e3:.2f} ms (median)")
+    if args.compare:
+        prompts, outs = standard_workload(args.compare_num_seqs or args.num_seqs, args.compare_max_input or
+                                          args.max_input, args.compare_max_output or args.max_output, args.seed)
+        ours, _ = run_minivllm(model, prompts, outs, "side-by-side", args.temperature, trace=False, **engine_kwargs)
+        theirs = run_transformers(model, prompts, outs, "side-by-side")
+        report.add(ours), report.add(theirs)
+        report.data["compare_ratio"] = ours.output_tok_s / theirs.output_tok_s
+        print(f"minivllm / transformers continuous batching: {report.data['compare_ratio']:.1f}x")
+    if args.prefix:
+        prompts, outs = shared_prefix_workload(seed=args.seed)
+        on, _ = run_minivllm(model, prompts, outs, "shared-prefix, cache on", trace=False, **engine_kwargs)
+        off, _ = run_minivllm(model, prompts, outs, "shared-prefix, cache off", trace=False,
+                              **{**engine_kwargs, "enable_prefix_caching": False})
+        report.add(on), report.add(off)
+        report.data["prefix_cache_speedup"] = on.output_tok_s / off.output_tok_s
+        print(f"prefix caching on / off: {report.data['prefix_cache_speedup']:.2f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -238,102 +278,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model = args.model or random_qwen3_folder(args.random_model_dir)
     from transformers import AutoConfig
-    spec = AutoConfig.from_pretrained(model).to_dict()
-    label = "" if args.model else " (RANDOM WEIGHTS)"
-    print(f"model: {model}{label}\nenvironment: {environment()}")
+    print(f"model: {model}{'' if args.model else ' (RANDOM WEIGHTS)'}\nenvironment: {environment()}")
     engine_kwargs = dict(tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
                          block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                          gpu_memory_utilization=args.gpu_memory_utilization)
-    report = dict(model=model, random_weights=not args.model, environment=environment(), args=vars(args), runs=[])
-
-    def record(result: BenchResult, bound: dict | None = None, trace: list | None = None) -> None:
-        line = result.line()
-        entry = dict(asdict(result), output_tok_s=result.output_tok_s)
-        if bound:
-            entry["roofline"] = bound
-            entry["fraction_of_bound"] = result.output_tok_s / bound["max_output_tok_s"]
-            line += f" = {entry['fraction_of_bound']:.1%} of the bound ({bound['max_output_tok_s']:,.0f})"
-        if trace:
-            entry["host_ms_per_decode_step_at_batch_256"] = (host_time_per_decode_step(trace, 256) or 0) * 1e3
-            entry["trace"] = [dict(t=r.start, step_s=r.duration, wait_s=r.wait, batch=len(r.seq_ids), running=r.num_running,
-                                   waiting=r.num_waiting, kv_usage=r.kv_usage, decode_only=r.is_decode_only)
-                              for r in trace]
-        print(line, flush=True)
-        report["runs"].append(entry)
-
-    if not args.skip_standard:
-        prompts, outs = standard_workload(args.num_seqs, args.max_input, args.max_output, args.seed)
-        bound = roofline(spec, list(map(len, prompts)), outs, args.bandwidth, args.flops)
-        result, trace = run_minivllm(model, prompts, outs, "standard", args.temperature, **engine_kwargs)
-        record(result, bound, trace)
-        host = host_time_per_decode_step(trace, 256)
-        if host is not None:
-            print(f"host time per decode step at batch 256: {host * 1e3:.2f} ms (median)")
-    if args.compare:
-        n = args.compare_num_seqs or args.num_seqs
-        prompts, outs = standard_workload(n, args.compare_max_input or args.max_input,
-                                          args.compare_max_output or args.max_output, args.seed)
-        ours, _ = run_minivllm(model, prompts, outs, "side-by-side", args.temperature, trace=False, **engine_kwargs)
-        record(ours)
-        theirs = run_transformers(model, prompts, outs, "side-by-side")
-        record(theirs)
-        ratio = ours.output_tok_s / theirs.output_tok_s
-        report["compare_ratio"] = ratio
-        print(f"minivllm / transformers continuous batching: {ratio:.1f}x")
-    if args.prefix:
-        prompts, outs = shared_prefix_workload(seed=args.seed)
-        on, _ = run_minivllm(model, prompts, outs, "shared-prefix, cache on", trace=False, **engine_kwargs)
-        record(on)
-        off, _ = run_minivllm(model, prompts, outs, "shared-prefix, cache off", trace=False,
-                              **{**engine_kwargs, "enable_prefix_caching": False})
-        record(off)
-        report["prefix_cache_speedup"] = on.output_tok_s / off.output_tok_s
-        print(f"prefix caching on / off: {report['prefix_cache_speedup']:.2f}x")
+    report = Report(model=model, random_weights=not args.model, environment=environment(), args=vars(args))
+    run_workloads(args, model, AutoConfig.from_pretrained(model).to_dict(), engine_kwargs, report)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump(report.data, f, indent=1)
         print(f"results written to {args.out}")
     return 0
 
 
 if __name__ == "__main__" and "ipykernel" not in sys.modules:
     sys.exit(main())
-
-# %%
-def plot_report(report: dict, path: str | None = None):
-    "Throughput bars (minivllm, its bound, transformers) and the standard run's requests and KV usage over time."
-    import matplotlib.pyplot as plt
-    runs = {(r["engine"], r["workload"]): r for r in report["runs"]}
-    fig, (bars, timeline) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw=dict(width_ratios=[1, 1.6]))
-    rows = []
-    if ("minivllm", "standard") in runs:
-        std = runs[("minivllm", "standard")]
-        rows += [("roofline bound\n(standard)", std["roofline"]["max_output_tok_s"], "lightgray"),
-                 ("minivllm\n(standard)", std["output_tok_s"], "tab:blue")]
-    for engine, colour in (("minivllm", "tab:blue"), ("transformers", "tab:orange")):
-        if (engine, "side-by-side") in runs:
-            rows.append((f"{engine}\n(side by side)", runs[(engine, "side-by-side")]["output_tok_s"], colour))
-    bars.barh([r[0] for r in rows][::-1], [r[1] for r in rows][::-1], color=[r[2] for r in rows][::-1])
-    for i, (_, value, _) in enumerate(rows[::-1]):
-        bars.text(value, i, f" {value:,.0f}", va="center", fontsize=9)
-    bars.set_xlabel("output tokens / s")
-    bars.set_title("throughput on " + report["environment"].get("gpu", "?"))
-    if ("minivllm", "standard") in runs:
-        trace = runs[("minivllm", "standard")]["trace"]
-        t = [r["t"] for r in trace]
-        timeline.plot(t, [r["running"] for r in trace], label="running requests")
-        timeline.plot(t, [r["waiting"] for r in trace], label="waiting requests")
-        timeline.set_xlabel("seconds")
-        timeline.set_ylabel("requests")
-        kv = timeline.twinx()
-        kv.plot(t, [100 * r["kv_usage"] for r in trace], color="tab:green", label="KV cache used (%)")
-        kv.set_ylabel("KV cache used (%)")
-        kv.set_ylim(0, 100)
-        lines = timeline.get_lines() + kv.get_lines()
-        timeline.legend(lines, [l.get_label() for l in lines], loc="upper right", fontsize=8)
-        timeline.set_title("the standard run: 256 requests over time")
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=120, bbox_inches="tight")
-    return fig

@@ -20,7 +20,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(device: str) -> str:
-    "`auto` -> cuda when available, else cpu; an unavailable device is an error."
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     _check(device in ("cpu", "cuda"), f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
@@ -34,14 +33,12 @@ def resolve_dtype(dtype: str, device: str, hf_config: PretrainedConfig) -> torch
     if auto:
         if device == "cpu":
             return torch.float32
-        saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        dtype = str(saved).removeprefix("torch.") if str(saved).removeprefix("torch.") in _DTYPES else "bfloat16"
+        saved = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)).removeprefix("torch.")
+        dtype = saved if saved in _DTYPES else "bfloat16"
     _check(dtype in _DTYPES, f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got {dtype!r}")
     if device == "cuda" and dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
-        if auto:
-            dtype = "float16"   # what vLLM does on GPUs older than Ampere
-        else:
-            raise ValueError("this GPU cannot run bfloat16: pass dtype='float16' or dtype='float32'")
+        _check(auto, "this GPU cannot run bfloat16: pass dtype='float16' or dtype='float32'")
+        dtype = "float16"   # what vLLM does on GPUs older than Ampere
     if device == "cpu":
         try:
             x = torch.ones(2, 2, dtype=_DTYPES[dtype])
@@ -60,20 +57,17 @@ def check_types(cfg) -> None:
         value = getattr(cfg, name)
         if not (value is None and name in optional) and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    for name in ("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init",
-                 "async_scheduling"):
-        if not isinstance(getattr(cfg, name), bool):
-            raise TypeError(f"{name} must be True or False, got {getattr(cfg, name)!r}")
-    for name in ("gpu_memory_utilization", "cpu_kvcache_space_gib"):
-        if isinstance(getattr(cfg, name), bool) or not isinstance(getattr(cfg, name), (int, float)):
-            raise TypeError(f"{name} must be a number, got {getattr(cfg, name)!r}")
-    for name in ("dtype", "device"):
-        if not isinstance(getattr(cfg, name), str):
-            raise TypeError(f"{name} must be a string, got {getattr(cfg, name)!r}")
+    for names, kinds, want in ((("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill",
+                                 "skip_tokenizer_init", "async_scheduling"), bool, "True or False"),
+                               (("gpu_memory_utilization", "cpu_kvcache_space_gib"), (int, float), "a number"),
+                               (("dtype", "device"), str, "a string")):
+        for name in names:
+            value = getattr(cfg, name)
+            if not isinstance(value, kinds) or isinstance(value, bool) and kinds is not bool:   # a bool is no number
+                raise TypeError(f"{name} must be {want}, got {value!r}")
 
 # %%
 def check_sizes(cfg) -> None:
-    "ValueErrors for sizes that disagree with each other or with the model."
     hf, limit = cfg.hf_config, cfg.hf_config.max_position_embeddings
     _check(1 <= cfg.max_model_len <= limit,
            f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), got {cfg.max_model_len}")
@@ -96,9 +90,8 @@ def check_sizes(cfg) -> None:
     _check(hf.num_attention_heads % tp == 0 and hf.num_key_value_heads % tp == 0,
            f"tensor_parallel_size {tp} must divide the number of attention heads ({hf.num_attention_heads}) "
            f"and of KV heads ({hf.num_key_value_heads})")
-    if cfg.device == "cuda":
-        _check(tp <= torch.cuda.device_count(),
-               f"tensor_parallel_size {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
+    _check(cfg.device != "cuda" or tp <= torch.cuda.device_count(),
+           f"tensor_parallel_size {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
 
 # %%
 @dataclass
@@ -137,7 +130,6 @@ class Config:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> Config:
-        "`Config(model, **kwargs)`, with an error naming unknown keywords and listing the known ones."
         known = {f.name for f in fields(cls)} - {"model", "hf_config"}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -152,9 +144,7 @@ class Config:
     @property
     def eos_token_ids(self) -> list[int]:
         "The end-of-sequence ids: generation_config.json's if there is one, else config.json's."
-        ids = None
         path = os.path.join(self.model, "generation_config.json")
-        if os.path.isfile(path):
-            ids = json.load(open(path)).get("eos_token_id")
+        ids = json.load(open(path)).get("eos_token_id") if os.path.isfile(path) else None
         ids = self.hf_config.eos_token_id if ids is None else ids
         return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)

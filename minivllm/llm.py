@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence as SequenceABC
 from numbers import Integral
 
+from fastcore.basics import patch
 from tqdm.auto import tqdm
 
 from .engine.llm_engine import LLMEngine, PromptType
@@ -24,7 +26,6 @@ def as_prompt_list(prompts) -> list[PromptType]:
 
 
 def params_list(params: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams | None]:
-    "One SamplingParams for every prompt, or a list with exactly one per prompt."
     if params is None or isinstance(params, SamplingParams):
         return [params] * n
     if not isinstance(params, SequenceABC) or isinstance(params, str):
@@ -61,7 +62,6 @@ class LLM:
         self.llm_engine = LLMEngine(model, **kwargs)
 
     def _engine(self) -> LLMEngine:
-        "The engine, or a RuntimeError once `close()` has released it."
         if self.llm_engine is None:
             raise RuntimeError("this LLM is closed (its model and KV cache were released): make a new LLM")
         return self.llm_engine
@@ -75,12 +75,10 @@ class LLM:
         params = params_list(sampling_params, len(prompts))
         checked = [engine.validate(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, params))]
         before = set(engine.requests)   # requests a caller queued with add_request are not this call's to abort
-        ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         progress = Progress(engine, len(checked), use_tqdm)
         try:
-            for c in checked:
-                ids.append(engine._add(*c))
+            ids = [engine._add(*c) for c in checked]
             own = set(ids)   # other requests in the engine (from add_request) are stepped too, not returned
             while len(results) < len(ids):
                 if not engine.has_unfinished_requests():
@@ -101,51 +99,61 @@ class LLM:
         "Complete every prompt; the outputs come back in the order of the prompts."
         return self._run(prompts, sampling_params, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        "Apply the tokenizer's chat template to one conversation or a list of them, then generate."
-        tokenizer = self.get_tokenizer()
-        if tokenizer is None:
-            raise ValueError("chat() needs a tokenizer (the engine was made with skip_tokenizer_init=True)")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        for i, c in enumerate(conversations):
-            if not (isinstance(c, list) and c and all(isinstance(m, dict) for m in c)):
-                raise TypeError(f"chat() takes a conversation (a list of message dicts such as {{'role': 'user', "
-                                f"'content': 'Hi'}}) or a list of them; conversation {i} is {c!r:.60}")
-        prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                 **(chat_template_kwargs or {})) for c in conversations]
-        return self._run(prompts, sampling_params, use_tqdm)
+# %%
+@patch
+def chat(self: LLM, messages: list[dict] | list[list[dict]],
+         sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+         add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    "Apply the tokenizer's chat template to one conversation or a list of them, then generate."
+    tokenizer = self.get_tokenizer()
+    if tokenizer is None:
+        raise ValueError("chat() needs a tokenizer (the engine was made with skip_tokenizer_init=True)")
+    conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+    for i, c in enumerate(conversations):
+        if not (isinstance(c, list) and c and all(isinstance(m, dict) for m in c)):
+            raise TypeError(f"chat() takes a conversation (a list of message dicts such as {{'role': 'user', "
+                            f"'content': 'Hi'}}) or a list of them; conversation {i} is {c!r:.60}")
+    prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **(chat_template_kwargs or {})) for c in conversations]
+    return self._run(prompts, sampling_params, use_tqdm)
 
-    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        "Yield a `RequestOutput` holding only the new text and tokens each time the request produces some."
-        engine = self._engine()
-        request_id = engine._add(*engine.validate(prompt, sampling_params), stream=True)
-        try:
-            finished = False
-            while not finished:
-                for out in engine.step():
-                    if out.request_id == request_id:
-                        finished = out.finished
-                        yield out
-        finally:
-            engine.abort_request(request_id)   # a no-op once finished; frees the blocks if the caller stopped early
 
-    def close(self) -> None:
-        "Free the model and the KV cache (and stop worker processes, with tensor parallelism)."
-        engine = getattr(self, "llm_engine", None)   # absent when the constructor failed
-        if engine is not None:
-            self.llm_engine = None
-            engine.close()
+@patch
+def stream(self: LLM, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    "Yield a `RequestOutput` holding only the new text and tokens each time the request produces some."
+    engine = self._engine()
+    request_id = engine._add(*engine.validate(prompt, sampling_params), stream=True)
+    try:
+        finished = False
+        while not finished:
+            for out in engine.step():
+                if out.request_id == request_id:
+                    finished = out.finished
+                    yield out
+    finally:
+        engine.abort_request(request_id)   # a no-op once finished; frees the blocks if the caller stopped early
 
-    def __enter__(self) -> LLM:
-        return self
+# %%
+@patch
+def close(self: LLM) -> None:
+    "Free the model and the KV cache (and stop worker processes, with tensor parallelism)."
+    engine = getattr(self, "llm_engine", None)   # absent when the constructor failed
+    if engine is not None:
+        self.llm_engine = None
+        engine.close()
 
-    def __exit__(self, *exc) -> None:
+
+@patch
+def __enter__(self: LLM) -> LLM:
+    return self
+
+
+@patch
+def __exit__(self: LLM, *exc) -> None:
+    self.close()
+
+
+@patch
+def __del__(self: LLM):
+    with contextlib.suppress(Exception):
         self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -53,6 +53,5 @@ class RequestOutput:
 
     def __repr__(self) -> str:
         out = self.outputs[0]
-        return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
-                f"text={out.text!r}, token_ids={out.token_ids}, finish_reason={out.finish_reason!r}, "
-                f"finished={self.finished})")
+        return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, text={out.text!r}, "
+                f"token_ids={out.token_ids}, finish_reason={out.finish_reason!r}, finished={self.finished})")

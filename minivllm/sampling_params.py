@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from numbers import Integral, Real
 
 _SAMPLING_EPS = 1e-5  # below this temperature, sampling is greedy (vLLM uses the same threshold)
@@ -31,16 +31,21 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self):
-        _check_type("temperature", self.temperature, (Real,))
-        _check_type("top_p", self.top_p, (Real,))
-        _check_type("top_k", self.top_k, (Integral,))
-        _check_type("min_p", self.min_p, (Real,))
-        _check_type("seed", self.seed, (Integral,), allow_none=True)
-        _check_type("max_tokens", self.max_tokens, (Integral,), allow_none=True)
-        _check_type("ignore_eos", self.ignore_eos, (bool,))
-        _check_type("logprobs", self.logprobs, (Integral,), allow_none=True)
-        self.stop = self._string_list(self.stop)
-        self.stop_token_ids = self._id_list(self.stop_token_ids)
+        for name, kind, allow_none in (("temperature", Real, False), ("top_p", Real, False), ("top_k", Integral, False),
+                                       ("min_p", Real, False), ("seed", Integral, True), ("max_tokens", Integral, True),
+                                       ("ignore_eos", bool, False), ("logprobs", Integral, True)):
+            _check_type(name, getattr(self, name), (kind,), allow_none)
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise TypeError(f"SamplingParams.stop must be a non-empty string or a list of them, got {s!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise TypeError(f"SamplingParams.stop_token_ids must be a list of ints, "
+                            f"got {type(self.stop_token_ids).__name__}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, Integral) or t < 0:
+                raise ValueError(f"SamplingParams.stop_token_ids must hold token ids >= 0, got {t!r}")
         self._check_ranges()
 
     def _check_ranges(self):
@@ -61,23 +66,6 @@ class SamplingParams:
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"SamplingParams.logprobs must be >= 0, got {self.logprobs}")
 
-    @staticmethod
-    def _string_list(stop) -> list[str]:
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        for s in stops:
-            if not isinstance(s, str) or not s:
-                raise TypeError(f"SamplingParams.stop must be a non-empty string or a list of them, got {s!r}")
-        return stops
-
-    @staticmethod
-    def _id_list(ids) -> list[int]:
-        if ids is not None and not isinstance(ids, (list, tuple)):
-            raise TypeError(f"SamplingParams.stop_token_ids must be a list of ints, got {type(ids).__name__}")
-        ids = list(ids or [])
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, Integral) or t < 0:
-                raise ValueError(f"SamplingParams.stop_token_ids must hold token ids >= 0, got {t!r}")
-        return ids
 
     @property
     def greedy(self) -> bool:

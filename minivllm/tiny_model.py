@@ -1,5 +1,3 @@
-
-
 # %%
 from importlib.resources import files
 

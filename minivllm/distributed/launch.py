@@ -32,9 +32,7 @@ class TorchrunEnv:
 
 
 def torchrun_env() -> TorchrunEnv | None:
-    "This process's rank and world size when `torchrun` started it (None otherwise)."
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    if not all(name in os.environ for name in names):
+    if not all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")):
         return None
     return TorchrunEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
 
@@ -46,16 +44,12 @@ def master_store(world_size: int, timeout: timedelta = timedelta(minutes=5)) -> 
 
 def torchrun_store() -> dist.Store:
     "A client of the store torchrun's agent serves, with keys of minivllm's own (the ranks report failures there)."
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=60))
-    return dist.PrefixStore("minivllm/", store)
+    return dist.PrefixStore("minivllm/", dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                                       is_master=False, timeout=timedelta(seconds=60)))
 
 # %%
 def join_group(rank: int, size: int, device: torch.device, store: dist.Store | None = None) -> TPGroup:
-    """Join an engine's tensor-parallel group, with torch.distributed's public API only: the process's default group
-    (gloo: the steps' host arrays go through it) and, between GPUs, an NCCL group for the model's collectives, set
-    up right here (`device_id`) so that no rank can fail later in a half-made communicator. A spawned worker joins
-    through the driver's `store`; a torchrun rank through its environment, or inside the world its script made."""
+    "Join an engine's group: gloo for the host arrays; between GPUs an NCCL group made now (no half-made communicator)."
     if not dist.is_initialized():
         where = dict(store=store) if store is not None else dict(init_method="env://")
         dist.init_process_group("gloo", rank=rank, world_size=size, timeout=IDLE_TIMEOUT, **where)

@@ -11,14 +11,11 @@ HEADER_WORDS = 9   # command, payload bytes, then the step's own header (7 words
 
 
 def send_step(header: list[int], payload: np.ndarray, tp: TPGroup) -> None:
-    "Rank 0: a step to the other ranks, as its header and its packed arrays (one uint8 buffer), over the gloo group."
-    words = torch.tensor([STEP, len(payload), *header], dtype=torch.int64)
-    dist.broadcast(words, group=tp.control_group, group_src=0)
+    dist.broadcast(torch.tensor([STEP, len(payload), *header], dtype=torch.int64), group=tp.control_group, group_src=0)
     dist.broadcast(torch.from_numpy(payload), group=tp.control_group, group_src=0)
 
 
 def send_stop(tp: TPGroup) -> None:
-    "Rank 0: there are no more steps."
     dist.broadcast(torch.zeros(HEADER_WORDS, dtype=torch.int64), group=tp.control_group, group_src=0)
 
 

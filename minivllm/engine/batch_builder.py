@@ -11,7 +11,6 @@ NO_PREFIX = np.zeros(1, dtype=np.int32)
 
 
 def block_table_array(seqs: list[Sequence]) -> np.ndarray:
-    "The sequences' block tables as one [B, W] int32 array, padded with -1."
     width = max((len(s.block_table) for s in seqs), default=0)
     table = np.full((len(seqs), width), -1, dtype=np.int32)
     for row, seq in zip(table, seqs):
@@ -59,11 +58,9 @@ class BlockTables:
         self.rows: dict[int, tuple[int, int, int]] = {}   # seq_id -> (row, entries written, preemptions)
 
     def array(self, seqs: list[Sequence]) -> np.ndarray:
-        "The sequences' tables as one [B, W] int32 array (W: the longest table), padded with -1."
         rows, width, get = [], 1, self.rows.get
         for seq in seqs:
-            row = get(seq.seq_id)
-            n = len(seq.block_table)
+            row, n = get(seq.seq_id), len(seq.block_table)
             if row is None or row[1] != n or row[2] != seq.num_preemptions:
                 row = self._update(seq)
             rows.append(row[0])
@@ -83,8 +80,7 @@ class BlockTables:
 
     def _take_row(self) -> int:
         if not self.free_rows:   # full: twice as many rows
-            n = len(self.table)
-            self.table = np.concatenate([self.table, np.full_like(self.table, -1)])
+            n, self.table = len(self.table), np.concatenate([self.table, np.full_like(self.table, -1)])
             self.free_rows = list(range(2 * n - 1, n - 1, -1))
         return self.free_rows.pop()
 
@@ -96,9 +92,7 @@ class BlockTables:
 # %%
 def prepare_decode(seqs: list[Sequence], block_size: int, tables: BlockTables,
                    ahead_rows: list[int] | None = None) -> StepInputs:
-    """The host arrays of a decode step, without a loop over tokens: each sequence computes its last token. A step
-    planned ahead (`ahead_rows`, notebook 10) computes the token being sampled right now, at position
-    `len(token_ids)`; its id is not known yet, so `input_ids` holds the rows of the samples to take it from."""
+    "A decode step's host arrays without a loop over tokens; planned ahead (10), `input_ids` are rows of the samples."
     n = len(seqs)
     positions = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=n) - (ahead_rows is None)
     block_tables = tables.array(seqs)

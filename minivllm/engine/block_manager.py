@@ -16,8 +16,7 @@ class Block:
     __slots__ = ("block_id", "ref_count", "hash", "token_ids")
 
     def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
+        self.block_id, self.ref_count = block_id, 0
         self.hash = -1                    # prefix-cache key while the block holds a registered full block
         self.token_ids: list[int] = []    # the tokens it holds, to confirm a prefix-cache hit
 
@@ -51,7 +50,6 @@ class FreeBlockQueue:
             self._ids.move_to_end(block_id, last=False)
 
     def pop(self) -> int:
-        "Take the block to reuse next (the front)."
         return self._ids.popitem(last=False)[0]
 
     def remove(self, block_id: int) -> None:
@@ -61,20 +59,16 @@ class FreeBlockQueue:
 # %%
 def compute_block_hash(token_ids: list[int], prefix_hash: int = -1) -> int:
     "Chained hash of one full block: xxh64 of the previous block's hash (if any) and the block's token ids."
-    data = array("q", token_ids).tobytes()   # the ids as int64 bytes
-    if prefix_hash != -1:
-        data = prefix_hash.to_bytes(8, "little") + data
-    return xxhash.xxh64_intdigest(data)
+    prefix = prefix_hash.to_bytes(8, "little") if prefix_hash != -1 else b""
+    return xxhash.xxh64_intdigest(prefix + array("q", token_ids).tobytes())   # the ids as int64 bytes
 
 # %%
 class BlockManager:
     "Paged KV-cache bookkeeping: a pool of blocks, a free list, ref counts and a prefix cache of full blocks."
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_blocks = FreeBlockQueue(range(num_blocks))
+        self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
+        self.blocks, self.free_blocks = [Block(i) for i in range(num_blocks)], FreeBlockQueue(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache at admission
         self.prefix_cache_hits = 0     # of those, tokens found there
@@ -91,13 +85,6 @@ class BlockManager:
     def usage(self) -> float:
         "Fraction of the blocks in use by some sequence (free but cached blocks count as free)."
         return 1.0 - self.num_free_blocks / self.num_blocks
-
-    def _take_free_block(self) -> int:
-        "Hand out the next free block, forgetting whatever it cached."
-        block = self.blocks[self.free_blocks.pop()]
-        self._uncache(block)
-        block.ref_count = 1
-        return block.block_id
 
     def _uncache(self, block: Block) -> None:
         if block.hash != -1:
@@ -138,8 +125,7 @@ def match_prefix(self: BlockManager, seq: Sequence) -> PrefixMatch:
 # %%
 @patch
 def blocks_needed(self: BlockManager, seq: Sequence, num_new_tokens: int, match: PrefixMatch | None = None) -> int:
-    """Free blocks that `allocate(seq, num_new_tokens, match)` takes: for a waiting sequence (with its `match`),
-    the free blocks among its cache hits too; `num_new_tokens` counts tokens after what is computed or cached."""
+    "Free blocks `allocate` takes: for tokens past the computed (or `match`ed) ones, and a match's free cache hits."
     if match is None:   # a running sequence: it holds its blocks
         return max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table))
     free_hits = sum(self.blocks[b].ref_count == 0 for b in match.block_ids)
@@ -148,14 +134,12 @@ def blocks_needed(self: BlockManager, seq: Sequence, num_new_tokens: int, match:
 
 @patch
 def can_allocate(self: BlockManager, seq: Sequence, num_new_tokens: int, match: PrefixMatch | None = None) -> bool:
-    "Whether the free list holds the blocks to compute `num_new_tokens` more tokens of `seq`."
     return self.blocks_needed(seq, num_new_tokens, match) <= self.num_free_blocks
 
 
 @patch
 def allocate(self: BlockManager, seq: Sequence, num_new_tokens: int, match: PrefixMatch | None = None) -> None:
-    """Give `seq` the blocks to compute `num_new_tokens` more tokens. A waiting sequence first takes its cached
-    blocks (`match`) and counts their tokens as computed; then fresh blocks from the free list cover the rest."""
+    "Blocks for `num_new_tokens` more tokens; a waiting sequence first takes its cache hits (`match`) as computed."
     if match is not None:
         for block_id in match.block_ids:
             block = self.blocks[block_id]
@@ -172,19 +156,20 @@ def allocate(self: BlockManager, seq: Sequence, num_new_tokens: int, match: Pref
 
 @patch
 def reserve(self: BlockManager, seq: Sequence, num_tokens: int) -> None:
-    "Extend `seq.block_table` with fresh blocks until it holds `num_tokens` tokens."
     missing = -(-num_tokens // self.block_size) - len(seq.block_table)
     if missing > self.num_free_blocks:
         raise RuntimeError(f"out of KV-cache blocks: sequence {seq.seq_id} needs {missing}, "
                            f"{self.num_free_blocks} are free (check can_allocate first)")
     for _ in range(missing):
-        seq.block_table.append(self._take_free_block())
+        block = self.blocks[self.free_blocks.pop()]
+        self._uncache(block)
+        block.ref_count = 1
+        seq.block_table.append(block.block_id)
 
 # %%
 @patch
 def commit(self: BlockManager, seq: Sequence, first_block: int) -> None:
-    """After a step wrote K/V: register the sequence's full, computed blocks from `first_block` on in the prefix
-    cache (a block whose twin is already registered, computed at the same time, is left out)."""
+    "After a step wrote K/V: register the full computed blocks from `first_block` on in the prefix cache (no twins)."
     if not self.enable_prefix_caching:
         return
     num_full = seq.num_computed_tokens // self.block_size
@@ -218,8 +203,7 @@ def reset_prefix_cache(self: BlockManager) -> int:
 # %%
 @patch
 def check_invariants(self: BlockManager, seqs: Iterable[Sequence] | None = None) -> None:
-    """Raise RuntimeError if the bookkeeping is inconsistent. With `seqs` (every sequence holding blocks), also
-    check that each block's ref_count is the number of block tables holding it."""
+    "Raise RuntimeError if the bookkeeping is inconsistent; with `seqs` (all holders), check the ref counts too."
     problems = []
     for block in self.blocks:
         if block.ref_count < 0 or (block.ref_count == 0) != (block.block_id in self.free_blocks):

@@ -8,14 +8,11 @@ from .step_inputs import DeviceStep, StepInputs, StepSizes, numpy_views, step_nb
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
-    "The batch sizes to record: 1, 2, 4, 8, then every 16 up to `max_batch_size` (which is always included)."
-    sizes = [b for b in (1, 2, 4, 8) if b < max_batch_size] + list(range(16, max_batch_size, 16))
-    return sizes + [max_batch_size]
+    return [b for b in (1, 2, 4, 8) if b < max_batch_size] + list(range(16, max_batch_size, 16)) + [max_batch_size]
 
 
 class GraphInputs:
-    """The inputs every recorded graph reads: one device buffer laid out like a step of the largest batch, and two
-    pinned host mirrors of it, used in turn (while one may still feed a copy, the next step fills the other)."""
+    "What every graph reads: a device buffer laid out as the largest step, and two pinned host mirrors used in turn."
 
     def __init__(self, max_batch_size: int, max_blocks: int, device: torch.device):
         self.capacity = StepSizes(max_batch_size, max_batch_size, max_batch_size, max_blocks)
@@ -23,8 +20,7 @@ class GraphInputs:
         self.device_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.hosts = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self.host_views = [numpy_views(host.numpy(), self.capacity) for host in self.hosts]
-        self.views = tensor_views(self.device_buffer, self.capacity)
-        self.turn = 0
+        self.views, self.turn = tensor_views(self.device_buffer, self.capacity), 0
 
     def step(self, bs: int, max_seqlen_k: int, cascade: bool) -> DeviceStep:
         "The first `bs` rows of the buffer as a decode step's device inputs: what a graph is recorded with."
@@ -39,16 +35,14 @@ class GraphInputs:
         n, views, host = step.sizes.num_seqs, self.host_views[self.turn], self.hosts[self.turn]
         self.turn ^= 1
         step.write(views)
-        views["slot_mapping"][n:batch_size] = -1
-        views["context_lens"][n:batch_size] = 0
+        views["slot_mapping"][n:batch_size], views["context_lens"][n:batch_size] = -1, 0
         self.device_buffer.copy_(host, non_blocking=True)
         if input_ids is not None:   # the tokens of the step before, still on the device (asynchronous scheduling)
             self.views["input_ids"][:n].copy_(input_ids)
 
 # %%
 class CUDAGraphRunner:
-    """Decode steps recorded once per batch size (and, with `cascade`, once more reading a shared prefix once):
-    replaying one launches its hundreds of kernels at once. They all read their inputs from `GraphInputs`."""
+    "Decode steps recorded once per batch size (and cascade): a replay launches their hundreds of kernels at once."
 
     def __init__(self, model: torch.nn.Module, max_batch_size: int, max_model_len: int, block_size: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device, cascade: bool = False):
@@ -71,19 +65,17 @@ class CUDAGraphRunner:
             for graphs, shared in variants:
                 x = self.inputs.step(bs, self.max_model_len, shared)
                 self.hidden[:bs] = model(x.input_ids, x.positions, x.meta)  # warm-up: compile kernels, allocate
-                graph = torch.cuda.CUDAGraph()
+                graphs[bs] = graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool):
                     self.hidden[:bs] = model(x.input_ids, x.positions, x.meta)
                 pool = pool or graph.pool()
-                graphs[bs] = graph
                 torch.cuda.synchronize()
 
     def can_run(self, step: StepInputs) -> bool:
         return step.is_decode_only and step.sizes.num_seqs <= self.max_batch_size
 
     def replay(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Run a decode step through the smallest recorded graph that fits it; `input_ids`, when given, is a device
-        tensor that replaces `step.input_ids`. Returns the hidden state of each sequence."""
+        "Each sequence's hidden state, from the smallest graph that fits; `input_ids`: on the device, for `step`'s."
         n = step.sizes.num_seqs
         bs = next(b for b in self.batch_sizes if b >= n)
         self.inputs.load(step, bs, input_ids)

@@ -7,8 +7,7 @@ from .step_inputs import StepInputs
 
 
 class Executor:
-    """Runs the engine's steps on the model's device(s). This one: a `ModelRunner` in the engine's own process, on one
-    device. Tensor parallelism (notebook 12) brings executors with the same methods that run every step on several."""
+    "Runs the engine's steps on one `ModelRunner` in this process (notebook 12's executors: on several devices)."
 
     def __init__(self, config: Config, runner: ModelRunner | None = None):
         self.runner = runner or ModelRunner(config)
@@ -22,11 +21,9 @@ class Executor:
         self.runner.free_request(seq_id)
 
     def launch(self, step: StepInputs) -> StepHandle:
-        "Queue one step on the device; returns at once."
         return self.runner.execute(step)
 
     def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, float] | None] | None]:
-        "Wait for a launched step's sampled tokens (and logprobs)."
         return self.runner.collect(handle)
 
     def synchronize(self) -> None:

@@ -14,7 +14,6 @@ _NO_TOKENIZER = "or pass skip_tokenizer_init=True and give prompts as token ids"
 
 
 def load_tokenizer(model: str, vocab_size: int):
-    "The checkpoint's tokenizer, or an error that says what is missing."
     if not any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
         # transformers would make an empty tokenizer from config.json alone, which turns every prompt into []
         raise ValueError(f"no tokenizer in {model!r}: none of {', '.join(TOKENIZER_FILES)} is there; copy the "
@@ -34,8 +33,7 @@ def prompt_token_ids(prompt: PromptType, tokenizer, vocab_size: int, max_model_l
                      name: str = "prompt") -> tuple[str | None, list[int]]:
     "(text, token ids) of one prompt, or a TypeError / ValueError naming `name` and the problem."
     if isinstance(prompt, dict):
-        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-        if unknown or len(prompt) != 1:
+        if set(prompt) - {"prompt", "prompt_token_ids"} or len(prompt) != 1:
             raise TypeError(f"{name}: a prompt dict holds exactly one of 'prompt' or 'prompt_token_ids', "
                             f"got keys {sorted(prompt)}")
         key, prompt = next(iter(prompt.items()))
@@ -58,8 +56,7 @@ def prompt_token_ids(prompt: PromptType, tokenizer, vocab_size: int, max_model_l
             bad = next(t for t in ids if not 0 <= t < vocab_size)
             raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
     else:
-        raise TypeError(f"{name} must be a string, a list of token ids or a prompt dict, "
-                        f"got {type(prompt).__name__}")
+        raise TypeError(f"{name} must be a string, a list of token ids or a prompt dict, got {type(prompt).__name__}")
     if not ids:
         raise ValueError(f"{name} is empty: it needs at least one token")
     if len(ids) >= max_model_len:
@@ -75,7 +72,6 @@ def checked_params(params: SamplingParams | None, name: str = "prompt") -> Sampl
     if not isinstance(params, SamplingParams):
         raise TypeError(f"{name}: sampling params must be a SamplingParams, got {type(params).__name__}")
     try:
-        params = dataclasses.replace(params)   # runs every check of SamplingParams again
+        return dataclasses.replace(params)   # runs every check of SamplingParams again
     except (TypeError, ValueError) as e:
         raise type(e)(f"{name}: {e}") from None
-    return params

@@ -11,7 +11,6 @@ from ..sampling_params import SamplingParams
 
 
 def kv_block_bytes(hf_config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    "Bytes of one KV-cache block on one rank: K and V, every layer, the rank's share of the KV heads."
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     kv_heads = max(1, hf_config.num_key_value_heads // tp_size)
     return 2 * hf_config.num_hidden_layers * block_size * kv_heads * head_dim * dtype.itemsize
@@ -23,12 +22,11 @@ def num_kv_blocks(config: Config, budget_bytes: int) -> int:
     blocks_per_seq = -(-config.max_model_len // config.block_size)
     blocks = config.num_kvcache_blocks or min(budget_bytes // block_bytes, config.max_num_seqs * blocks_per_seq)
     if blocks < blocks_per_seq:
-        need = blocks_per_seq * block_bytes
         raise ValueError(
             f"the KV cache holds {blocks} blocks of {config.block_size} tokens = {blocks * config.block_size} tokens, "
             f"but one sequence of max_model_len={config.max_model_len} tokens needs {blocks_per_seq} blocks "
-            f"({need / 2**20:.1f} MiB). Give the cache more memory (gpu_memory_utilization, cpu_kvcache_space_gib, "
-            f"num_kvcache_blocks) or lower max_model_len.")
+            f"({blocks_per_seq * block_bytes / 2**20:.1f} MiB). Give the cache more memory (gpu_memory_utilization, "
+            f"cpu_kvcache_space_gib, num_kvcache_blocks) or lower max_model_len.")
     return int(blocks)
 
 # %%

@@ -10,11 +10,10 @@ from ..config import Config
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from .batch_builder import BatchBuilder
-from .detokenizer import IncrementalDetokenizer
 from .executor import Executor
 from .inputs import PromptType, checked_params, load_tokenizer, prompt_token_ids
 from .lookahead import plan_lookahead
-from .output_processor import OutputProcessor, Request
+from .output_processor import IncrementalDetokenizer, OutputProcessor, Request
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
 from .step_trace import StepRecord
@@ -81,7 +80,6 @@ class LLMEngine:
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
                     stream: bool = False) -> str:
-        "Validate and queue one request; returns its id."
         name = "request" if request_id is None else f"request {str(request_id)!r}"
         return self._add(*self.validate(prompt, params, name), request_id, stream)
 
@@ -92,11 +90,8 @@ class LLMEngine:
 @patch
 def _add(self: LLMEngine, text: str | None, ids: list[int], params: SamplingParams, request_id: str | None = None,
          stream: bool = False) -> str:
-    "Queue a validated request: its sequence goes to the scheduler, its parameters to the sampler."
-    if request_id is None:
-        request_id = str(next(self._request_ids))
-        while request_id in self.requests:   # taken by a caller's own id
-            request_id = str(next(self._request_ids))
+    if request_id is None:   # the next free number (a caller's own ids may have taken some)
+        request_id = next(i for i in map(str, self._request_ids) if i not in self.requests)
     request_id = str(request_id)
     if request_id in self.requests:
         raise ValueError(f"request id {request_id!r} is already in use")
@@ -121,7 +116,6 @@ def abort_request(self: LLMEngine, request_id: str) -> None:
 
 @patch
 def _release(self: LLMEngine, req: Request) -> None:
-    "Forget a finished request's per-request state: its sampler entry, its block-table row."
     self.executor.free_request(req.seq.seq_id)
     self.builder.free(req.seq.seq_id)
 
@@ -137,15 +131,14 @@ def close(self: LLMEngine) -> None:
 # %%
 @patch
 def step(self: LLMEngine) -> list[RequestOutput]:
-    """One iteration: plan a step and launch it (or take the one launched ahead), collect its tokens, apply them.
-    Returns the outputs of the requests that finished, and the new text of streaming requests."""
+    "Launch a planned step (or take the one launched ahead), collect its tokens; the finished and streaming outputs."
     start, current, self.in_flight = time.perf_counter(), self.in_flight, None
     try:
         current = current or self._launch(self.scheduler.schedule())
         if current is None:
             return []
         if self.config.async_scheduling:   # the next decode step goes to the device before this one is collected
-            self.in_flight = self._launch_ahead(current)
+            self.in_flight = self._launch(plan_lookahead(self.scheduler, current.plan))
         waiting = time.perf_counter()
         token_ids, logprobs = self.executor.collect(current.handle)
         now = time.perf_counter()
@@ -157,14 +150,16 @@ def step(self: LLMEngine) -> list[RequestOutput]:
         raise
     for req in done:
         self._release(req)
+    if done and self.in_flight and all(seq.is_finished for seq in self.in_flight.plan.seqs):
+        self.executor.collect(self.in_flight.handle)   # planned ahead for requests that have all ended since
+        self.in_flight = None
     self._count(current.plan, finished, start, now - waiting)
     return outputs
 
 
 @patch
-def _launch(self: LLMEngine, plan: StepPlan) -> InFlightStep | None:
-    "Send a planned step to the device (nothing to send for an empty plan)."
-    if not plan.seqs:
+def _launch(self: LLMEngine, plan: StepPlan | None) -> InFlightStep | None:
+    if not plan:   # nothing planned (ahead), or nothing to run
         return None
     self.stats.num_preemptions += len(plan.preempted)
     if plan.num_prefill_tokens:   # (a sequence is first scheduled for its prompt)
@@ -176,16 +171,7 @@ def _launch(self: LLMEngine, plan: StepPlan) -> InFlightStep | None:
 
 # %%
 @patch
-def _launch_ahead(self: LLMEngine, current: InFlightStep) -> InFlightStep | None:
-    """Asynchronous scheduling: plan the decode step after `current` and launch it before `current`'s tokens reach
-    the host, so that the device never waits for the host's bookkeeping (None when it cannot be planned ahead)."""
-    plan = plan_lookahead(self.scheduler, current.plan)
-    return None if plan is None else InFlightStep(plan, self.executor.launch(self.builder.build(plan)))
-
-
-@patch
 def _count(self: LLMEngine, plan: StepPlan, finished: list[Sequence], start: float, wait: float) -> None:
-    "The step's counters, and its record when the engine traces."
     stats, end = self.stats, time.perf_counter()
     stats.num_steps += 1
     stats.num_prompt_tokens += plan.num_prefill_tokens

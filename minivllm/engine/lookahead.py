@@ -4,12 +4,8 @@ from .scheduler import Scheduler, StepPlan
 
 
 def plan_lookahead(scheduler: Scheduler, plan: StepPlan) -> StepPlan | None:
-    """The decode step after `plan`, planned while `plan` still runs on the device: the sequences that will decode the
-    token `plan` is sampling for them (its value is not known yet, only that it will exist), with their blocks
-    reserved. None when that cannot be planned safely: `plan` is not a decode step of every running sequence, prompts
-    wait for a place, or blocks would run out (the engine then waits for `plan` and schedules normally). Sequences
-    that `plan` finishes by length are left out; ones it may finish by eos or a stop token are not (their extra token
-    is dropped when the step is collected)."""
+    """The decode step after `plan`, planned (blocks reserved) while it runs; None unless `plan` decodes every running
+    sequence, no prompt waits and blocks suffice. Sequences it ends by length are left out (an eos: dropped later)."""
     running = len(scheduler.running)
     if (scheduler.policy != "mixed" or not plan.is_decode_only or not len(plan.sampled) == len(plan.seqs) == running
             or (scheduler.waiting and running < scheduler.max_num_seqs)):

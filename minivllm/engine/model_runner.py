@@ -27,8 +27,7 @@ class StepHandle:
 
 # %%
 class ModelRunner:
-    """The model, its KV cache and the sampler on one device (one rank of a tensor-parallel group): it runs one step
-    at a time. Every rank runs the same `execute`; the first one also samples."""
+    "The model, its KV cache and the sampler on one device (one rank): every rank runs `execute`, the first samples."
 
     def __init__(self, config: Config, rank: int = 0, tp: TPGroup = SINGLE):
         self.config, self.rank, self.tp = config, rank, tp
@@ -46,7 +45,7 @@ class ModelRunner:
                                               self.device)
             self.upload = PinnedUploads(self.device) if self.device.type == "cuda" else partial(to_device, device=self.device)
             self.last_sampled: torch.Tensor | None = None   # the token ids of the step before, on the device
-            if self.device.type == "cuda" and not config.enforce_eager:
+            if self.device.type == "cuda" and not config.enforce_eager and config.attention_backend != "torch":
                 self.graphs = CUDAGraphRunner(self.model, config.max_num_seqs, config.max_model_len, config.block_size,
                                               config.hf_config.hidden_size, config.torch_dtype, self.device,
                                               cascade=config.cascade)
@@ -64,8 +63,7 @@ class ModelRunner:
 @patch
 @torch.inference_mode()
 def execute(self: ModelRunner, step: StepInputs) -> StepHandle:
-    """Queue one step on the device and return at once (a GPU runs it while the host goes on): the forward pass, the
-    logits of the sampled rows and, on the first rank, the sampler."""
+    "Queue the forward pass, the sampled rows' logits and (first rank) the sampler, and return at once."
     input_ids = self._ahead_input_ids(step) if step.ahead else None
     if self.graphs is not None and self.graphs.can_run(step):
         hidden, rows = self.graphs.replay(step, input_ids), None   # one row per sequence
@@ -100,7 +98,6 @@ def _ahead_input_ids(self: ModelRunner, step: StepInputs) -> torch.Tensor:
 @patch
 @torch.inference_mode()
 def collect(self: ModelRunner, handle: StepHandle) -> tuple[list[int], list[dict[int, float] | None] | None]:
-    "Wait for a launched step: its sampled tokens, in order, and their logprobs where asked."
     if handle.token_ids is None:
         return [], None
     token_ids = handle.token_ids.tolist()   # the host waits here for the device to finish the step
@@ -113,14 +110,12 @@ def collect(self: ModelRunner, handle: StepHandle) -> tuple[list[int], list[dict
 
 @patch
 def synchronize(self: ModelRunner) -> None:
-    "Wait until every launched step has finished on the device."
     if self.device.type == "cuda":
         torch.cuda.synchronize(self.device)
 
 
 @patch
 def close(self: ModelRunner) -> None:
-    "Release the model, the KV cache and the CUDA graphs, and give their memory back to the device."
     self.graphs = self.kv_cache = self.last_sampled = None
     if getattr(self, "model", None) is not None:
         for layer in attention_layers(self.model):

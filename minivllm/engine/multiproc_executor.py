@@ -11,9 +11,10 @@ from multiprocessing.connection import wait
 from fastcore.basics import patch
 
 from ..config import Config
+from ..distributed.launch import master_store, set_comm_env, torchrun_env
 from ..sampling_params import SamplingParams
 from .step_inputs import StepInputs
-from .worker import run_worker
+from .worker import run_worker, torchrun_rank
 
 SPAWN_HINT = ("worker processes are started with multiprocessing's 'spawn' method, which imports the main script "
               "again: in a script, create the LLM under `if __name__ == \"__main__\":`")
@@ -27,20 +28,16 @@ def exit_reason(code: int | None) -> str:
 
 
 class Workers:
-    """The ranks as spawned processes, and a thread that watches them: the first error a rank reports, or the first
-    rank that dies, fails the group, and every rank is killed (the driving process holds no communicator: nothing of
-    it can hang on a collective, and a new engine starts clean)."""
+    "Spawned ranks and a watch thread: a rank's first error or death kills them all (this process joins no collective)."
 
     def __init__(self, config: Config, store_port: int):
-        ctx = mp.get_context("spawn")
-        self.procs, self.status = {}, {}
+        ctx, self.procs, self.status = mp.get_context("spawn"), {}, {}
         self.rpc, rpc_child = ctx.Pipe()
         try:
             for rank in range(config.tensor_parallel_size):
                 parent_end, child_end = ctx.Pipe()
-                proc = ctx.Process(target=run_worker, args=(config, rank, store_port, child_end,
-                                                            rpc_child if rank == 0 else None),
-                                   name=f"minivllm-tp-rank{rank}", daemon=True)
+                proc = ctx.Process(target=run_worker, name=f"minivllm-tp-rank{rank}", daemon=True,
+                                   args=(config, rank, store_port, child_end, rpc_child if rank == 0 else None))
                 proc.start()
                 child_end.close()
                 self.procs[rank], self.status[rank] = proc, parent_end
@@ -63,7 +60,6 @@ class Workers:
 # %%
 @patch
 def _watch(self: Workers) -> None:
-    "Read the ranks' messages and notice their exits, until every rank has exited."
     conns = {conn: rank for rank, conn in self.status.items()}
     sentinels = {proc.sentinel: rank for rank, proc in self.procs.items()}
     while sentinels:
@@ -79,8 +75,7 @@ def _watch(self: Workers) -> None:
                 if not self.stopping:
                     self.procs[rank].join(5.0)   # its pipe closes a moment before the exit status is there
                     when = "unexpectedly" if rank in self.hello else f"before it started; {SPAWN_HINT}"
-                    self._fail(f"tensor-parallel worker rank {rank} {exit_reason(self.procs[rank].exitcode)} "
-                               f"{when}")
+                    self._fail(f"tensor-parallel worker rank {rank} {exit_reason(self.procs[rank].exitcode)} {when}")
 
 @patch
 def _read(self: Workers, conns: dict, conn) -> None:
@@ -93,15 +88,13 @@ def _read(self: Workers, conns: dict, conn) -> None:
         self.hello.add(rank)
     else:
         summary, trace = details
-        self._fail(f"tensor-parallel worker rank {rank} failed: {summary}\n\n"
-                   f"--- traceback of rank {rank} ---\n{trace}")
+        self._fail(f"tensor-parallel worker rank {rank} failed: {summary}\n\n--- traceback of rank {rank} ---\n{trace}")
 
 # %%
 @patch
 def _fail(self: Workers, message: str) -> None:
     "Record the first failure, then end every rank: none may wait for the failed one."
-    if self.failure is None:
-        self.failure = message
+    self.failure = message if self.failure is None else self.failure
     self.kill()
 
 @patch
@@ -118,11 +111,9 @@ def stop(self: Workers, timeout: float = 30.0) -> None:
 
 # %%
 class MultiProcExecutor:
-    """Tensor parallelism over spawned worker processes, one per device; this process only sends them steps. Rank 0
-    (a worker too) passes each step on to the others, runs its part and samples: the same code as every rank."""
+    "Tensor parallelism over worker processes, one per device: this process sends rank 0 the steps, it passes them on."
 
     def __init__(self, config: Config, start_timeout: float = 300.0):
-        from ..distributed.launch import master_store
         self.store = master_store(config.tensor_parallel_size)   # where the ranks meet (it lives as long as they do)
         self.workers = Workers(config, self.store.port)
         weakref.finalize(self, self.workers.stop, 0.0)   # an executor dropped without close() still ends its workers
@@ -230,8 +221,6 @@ def _take_down(self: MultiProcExecutor, failure: str) -> None:
 # %%
 def make_tp_executor(config: Config):
     "Spawned workers, one per device; or, when torchrun started this process, its rank of torchrun's group."
-    from ..distributed.launch import set_comm_env, torchrun_env
-    from .worker import torchrun_rank
     set_comm_env()
     launched = torchrun_env()
     return MultiProcExecutor(config) if launched is None else torchrun_rank(config, launched)

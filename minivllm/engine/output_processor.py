@@ -5,14 +5,42 @@ from dataclasses import dataclass
 from fastcore.basics import patch
 
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .detokenizer import IncrementalDetokenizer, find_stop
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
 
 
+class IncrementalDetokenizer:
+    "Text of a growing completion, a few tokens at a time (vLLM's / TGI's prefix and read offsets)."
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], context: int = 5):
+        self.tokenizer, self.text = tokenizer, ""
+        self.ids = list(prompt_token_ids[-context:])   # a little prompt, so the first token decodes in context
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
+
+    def add(self, token_ids: list[int]) -> str:
+        "Append new token ids; return the new text they complete (possibly empty)."
+        self.ids.extend(token_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta, self.prefix_offset, self.read_offset = full[len(prefix):], self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+# %%
+def find_stop(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:
+    "The earliest stop string that ends in the last `new_chars` characters of `text`: (where it starts, which)."
+    best = None
+    for stop in stops:
+        start = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+        if start != -1 and (best is None or start < best[0]):
+            best = (start, stop)
+    return best
+
+# %%
 @dataclass
 class Request:
-    "The engine's record of one request."
     request_id: str
     prompt: str | None
     seq: Sequence
@@ -49,8 +77,7 @@ class Request:
 
 # %%
 class OutputProcessor:
-    """What the caller sees of each step: the new tokens booked on their requests (logprobs, metrics, text, stop
-    strings), and a `RequestOutput` for every request that finished or streams."""
+    "Books each step's new tokens on their requests (logprobs, metrics, text, stop strings) and makes the outputs."
 
     def __init__(self, tokenizer, scheduler: Scheduler):
         self.tokenizer, self.scheduler = tokenizer, scheduler
@@ -91,8 +118,7 @@ class OutputProcessor:
 @patch
 def _book(self: OutputProcessor, req: Request, token_id: int, logprobs: dict[int, float] | None, now: float
           ) -> RequestOutput | None:
-    """Book one new token of `req`: logprobs, metrics, text and stop strings; finish it if it is done. Returns its
-    output when it finished or streams (building outputs nobody reads would cost the hot path dearly)."""
+    "Book one new token of `req`; its output only when it finished or streams (unread outputs would cost dearly)."
     seq, metrics = req.seq, req.metrics
     if logprobs is not None:
         seq.logprobs.append(logprobs)

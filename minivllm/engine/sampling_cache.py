@@ -8,9 +8,7 @@ from ..sampling_params import SamplingParams
 
 
 class SamplingCache:
-    """What the sampler needs to know about requests. Per request: its SamplingParams and, with a seed, its own
-    torch.Generator (seeded once, when the request arrives). Per batch: the SamplingTensors, built again only when the
-    batch's requests change (a decode step usually samples for the same requests as the step before)."""
+    "Per request: its SamplingParams and seeded generator; per batch: SamplingTensors, rebuilt when requests change."
 
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device

@@ -34,7 +34,6 @@ class StepPlan:
 
     @classmethod
     def decode(cls, seqs: list[Sequence], ahead_rows: list[int] | None = None) -> StepPlan:
-        "The plan of a decode step: every (running) sequence computes its last token and samples the next."
         n = len(seqs)
         return cls(seqs, [1] * n, [True] * n, [False] * n, seqs, 0, ahead_rows=ahead_rows)
 
@@ -59,9 +58,7 @@ def check_stop(seq: Sequence, token_id: int, eos_token_ids: frozenset[int], max_
         return "stop", None
     if token_id in params.stop_token_ids:
         return "stop", token_id
-    if seq.num_tokens >= seq.max_num_tokens:   # max_tokens generated
-        return "length", None
-    if seq.num_tokens >= max_model_len:
+    if seq.num_tokens >= seq.max_num_tokens or seq.num_tokens >= max_model_len:   # max_tokens generated, or the limit
         return "length", None
     return None, None
 
@@ -77,12 +74,10 @@ class Scheduler:
         self.block_size, self.max_num_seqs, self.max_model_len = block_size, max_num_seqs, max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
-        self.eos_token_ids = frozenset(eos)
-        self.enable_chunked_prefill, self.policy = enable_chunked_prefill, policy
+        self.eos_token_ids, self.enable_chunked_prefill, self.policy = frozenset(eos), enable_chunked_prefill, policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order
-        self.num_preemptions = 0
-        self.num_finished = 0               # sequences ended, for any reason
+        self.num_preemptions = self.num_finished = 0   # num_finished: sequences ended, for any reason
 
     def __repr__(self) -> str:
         return (f"Scheduler({len(self.waiting)} waiting, {len(self.running)} running, "
@@ -90,7 +85,6 @@ class Scheduler:
                 f"{self.num_preemptions} preemptions)")
 
     def add(self, seq: Sequence) -> None:
-        "Queue a new request."
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -141,13 +135,10 @@ def _schedule_running(self: Scheduler, budget: int, scheduled: list, preempted: 
         if prefill is not None and (seq.num_uncomputed_tokens > 1) != prefill:
             continue
         n = min(seq.num_uncomputed_tokens, budget)
-        if n == 1 and seq.num_computed_tokens < len(seq.block_table) * self.block_size:
-            scheduled.append((seq, 1))   # the common decode: its slot is in a block it already holds
-            budget -= 1
-            continue
-        if not self._make_room(seq, n, preempted):
-            break   # seq itself was preempted, and with it every sequence after it
-        self.block_manager.allocate(seq, n)
+        if n != 1 or seq.num_computed_tokens >= len(seq.block_table) * self.block_size:  # not a decode in a held block
+            if not self._make_room(seq, n, preempted):
+                break   # seq itself was preempted, and with it every sequence after it
+            self.block_manager.allocate(seq, n)
         scheduled.append((seq, n))
         budget -= n
     return budget
@@ -174,8 +165,7 @@ def _make_room(self: Scheduler, seq: Sequence, num_new_tokens: int, preempted: l
 def _preempt(self: Scheduler, seq: Sequence) -> None:
     "Recompute later: free the blocks, forget the computed tokens, wait at the front of the queue."
     self.block_manager.free(seq)
-    seq.status = SequenceStatus.WAITING
-    seq.num_computed_tokens = 0
+    seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
     seq.num_preemptions += 1
     self.num_preemptions += 1
     self.waiting.appendleft(seq)
@@ -191,10 +181,9 @@ def _schedule_waiting(self: Scheduler, budget: int, scheduled: list) -> int:
         if match.first_missing is not None and match.first_missing in computing:
             break   # a prompt admitted in this step computes that block: from the next step on it is cached
         n = seq.num_tokens - match.num_tokens
-        if n > budget:
-            if not self.enable_chunked_prefill:
-                break
-            n = budget
+        if n > budget and not self.enable_chunked_prefill:
+            break
+        n = min(n, budget)
         if not bm.can_allocate(seq, n, match):
             break
         self.waiting.popleft()
@@ -209,14 +198,11 @@ def _schedule_waiting(self: Scheduler, budget: int, scheduled: list) -> int:
 # %%
 @patch
 def postprocess(self: Scheduler, plan: StepPlan, token_ids: list[int]) -> list[Sequence]:
-    """After the step: advance each sequence past its new tokens, register its newly full blocks in the prefix cache,
-    append its sampled token (`token_ids` holds one per `plan.sampled`, in order) and apply the stop rules. Returns
-    the sequences that finished. A sequence that finished while the step ran (aborted) is left as it is."""
-    finished, sampled, bs = [], iter(token_ids), self.block_size
-    eos, limit = self.eos_token_ids, self.max_model_len
+    "After the step: advance the sequences, commit full blocks, append the sampled tokens, stop; returns the finished."
+    finished, sampled, bs, eos, limit = [], iter(token_ids), self.block_size, self.eos_token_ids, self.max_model_len
     for seq, n, sample in zip(plan.seqs, plan.num_new_tokens, plan.sample):
         token_id = next(sampled) if sample else None
-        if seq.status is SequenceStatus.FINISHED:
+        if seq.status is SequenceStatus.FINISHED:   # aborted while the step ran: left as it is
             continue
         before = seq.num_computed_tokens
         seq.num_computed_tokens = before + n

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,14 +28,15 @@ class StepSizes:
         return {"T": (t,), "S": (s,), "B": (b,), "B+1": (b + 1,), "BxW": (b, w), "1": (1,)}[size]
 
 
-def step_layout(sizes: StepSizes) -> list[tuple[str, np.dtype, tuple[int, ...], int]]:
+@functools.lru_cache(maxsize=1024)   # (immutable: steps of the same sizes share their layout)
+def step_layout(sizes: StepSizes) -> tuple[tuple[str, np.dtype, tuple[int, ...], int], ...]:
     "(name, dtype, shape, byte offset) of each array of a step of these sizes, packed one after the other."
     layout, offset = [], 0
     for name, dtype, size in STEP_FIELDS:
         shape = sizes.shape(size)
         layout.append((name, np.dtype(dtype), shape, offset))
         offset += int(np.prod(shape)) * np.dtype(dtype).itemsize
-    return layout
+    return tuple(layout)
 
 
 def step_nbytes(sizes: StepSizes) -> int:
@@ -49,7 +51,6 @@ def numpy_views(buffer: np.ndarray, sizes: StepSizes) -> dict[str, np.ndarray]:
 
 
 def tensor_views(buffer: torch.Tensor, sizes: StepSizes) -> dict[str, torch.Tensor]:
-    "The same views of a uint8 tensor (on the device, say)."
     dtypes = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
     return {name: buffer[offset:offset + int(np.prod(shape)) * dtype.itemsize].view(dtypes[dtype]).view(shape)
             for name, dtype, shape, offset in step_layout(sizes)}
@@ -57,9 +58,7 @@ def tensor_views(buffer: torch.Tensor, sizes: StepSizes) -> dict[str, torch.Tens
 # %%
 @dataclass
 class StepInputs:
-    """One step's inputs as host arrays: the flat new tokens of all sequences and what tells the sequences apart. One
-    schema for all its journeys: packed into one buffer for the device (one copy), written into the CUDA graphs'
-    buffers, broadcast to the other tensor-parallel ranks."""
+    "One step's inputs as host arrays: one schema for its journeys to the device, the graphs' buffers, other ranks."
     input_ids: np.ndarray          # [T] int64 (a step planned ahead: rows of the previous step's sampled tokens)
     positions: np.ndarray          # [T] int64
     slot_mapping: np.ndarray       # [T] int64: cache slot of each new token
@@ -89,7 +88,6 @@ class StepInputs:
             views[name][tuple(slice(0, n) for n in array.shape)] = array
 
     def pack(self) -> np.ndarray:
-        "All the arrays in one uint8 buffer, laid out by `step_layout(self.sizes)`."
         buffer = np.empty(step_nbytes(self.sizes), dtype=np.uint8)
         self.write(numpy_views(buffer, self.sizes))
         return buffer
@@ -108,7 +106,6 @@ class StepInputs:
 # %%
 @dataclass
 class DeviceStep:
-    "A step's inputs on the model's device: what the forward pass reads."
     input_ids: torch.Tensor
     positions: torch.Tensor
     logits_indices: torch.Tensor
@@ -116,7 +113,6 @@ class DeviceStep:
 
 
 def device_step(step: StepInputs, t: dict[str, torch.Tensor]) -> DeviceStep:
-    "The forward pass's view of the step, from its arrays as tensors `t` (on the device)."
     cascade = t["shared_prefix_len"] if step.shared_prefix_len[0] else None
     meta = AttentionMetadata(t["cu_seqlens_q"], t["cu_seqlens_k"], step.max_seqlen_q, step.max_seqlen_k,
                              t["slot_mapping"], t["context_lens"], t["block_tables"], cascade)
@@ -131,9 +127,7 @@ def to_device(step: StepInputs, device: torch.device) -> DeviceStep:
 
 # %%
 class PinnedUploads:
-    """The fast way to a GPU: the step is packed into pinned (page-locked) host memory, whose copy to the device runs
-    while the host goes on launching the step's kernels. Two buffers in turn: while one may still feed the previous
-    step's copy, the next step is packed into the other."""
+    "The fast way to a GPU: pack into pinned memory (two buffers in turn), whose copy overlaps the step's launch."
 
     def __init__(self, device: torch.device):
         self.device, self.buffers, self.turn = device, [None, None], 0

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..distributed.launch import join_group, leave_group
+from ..distributed.launch import join_group, leave_group, torchrun_store
 from ..distributed.parallel_state import TPGroup
 from ..distributed.step_broadcast import recv_step, send_step, send_stop
 from .executor import Executor
@@ -41,9 +42,7 @@ def cpu_threads_per_rank(world_size: int) -> int:
 
 # %%
 class TPExecutor(Executor):
-    """Rank 0 of a tensor-parallel group, in its process (a spawned worker, or torchrun's rank 0): every step goes to
-    the other ranks first, then runs here; all ranks run the same `ModelRunner.execute`. `failure` (under torchrun)
-    reads another rank's report of its failure, which a wait for the device checks while it waits."""
+    "Rank 0 of a tensor-parallel group: each step goes to the other ranks, then runs here (`failure`: torchrun's)."
 
     def __init__(self, config: Config, runner: ModelRunner, tp: TPGroup, failure=None):
         super().__init__(config, runner)
@@ -57,11 +56,8 @@ class TPExecutor(Executor):
         except RuntimeError:   # a collective failed (on a CPU, the step runs here): the failed rank says why
             self._check(wait=15.0)
             raise
-        event = None
-        if self.failure is not None and self.runner.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return handle, event
+        watched = self.failure is not None and self.runner.device.type == "cuda"   # see `collect`
+        return handle, torch.cuda.current_stream().record_event() if watched else None
 
     def collect(self, launched: tuple[StepHandle, torch.cuda.Event | None]):
         handle, event = launched
@@ -95,8 +91,7 @@ def follow(runner: ModelRunner, tp: TPGroup, hook: str | None = None) -> None:
 
 
 def serve_driver(executor: TPExecutor, conn: Connection, hook: str | None = None) -> None:
-    """Rank 0 of spawned workers: do what the driving process asks, in order. Launched steps wait in a queue for their
-    `collect`; every answer carries the number of the request it answers (a Ctrl-C may leave one unread)."""
+    "Rank 0 of spawned workers: serve the driver in order; answers carry their request's number (Ctrl-C may skip one)."
     conn.send(("ready", executor.num_blocks))
     handles: deque = deque()
     while True:
@@ -133,8 +128,7 @@ def exit_with_parent(status: Connection) -> None:
 
 
 def run_worker(config: Config, rank: int, store_port: int, status: Connection, rpc: Connection | None) -> None:
-    """A spawned rank: join the group, load this rank's shard, then serve the driver (rank 0) or follow rank 0. Its
-    errors go to the driver, on the `status` pipe; Ctrl-C is the driver's to handle."""
+    "A spawned rank: join, load its shard, serve the driver (rank 0) or follow rank 0; errors go on the `status` pipe."
     exit_with_parent(status)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -160,9 +154,7 @@ def run_worker(config: Config, rank: int, store_port: int, status: Connection, r
 
 # %%
 class FailureWatch:
-    """Under torchrun there is no driving process to watch the ranks: a rank that fails reports it in torchrun's
-    store, and this thread on rank 0 looks for such a report (five times a second), then aborts rank 0's
-    communicator (no collective then waits for the failed rank) and acknowledges, so the failed rank can exit."""
+    "Under torchrun, a thread that finds a failed rank's report, aborts rank 0's communicator and acknowledges it."
 
     def __init__(self, store: dist.Store, tp: TPGroup):
         self.store, self.tp, self.report, self.stopped = store, tp, None, False
@@ -194,27 +186,21 @@ class FailureWatch:
 
 
 def report_failure(store: dist.Store, tp: TPGroup, error: BaseException) -> None:
-    """A torchrun rank that failed: its error for rank 0; once rank 0 has read it, this rank leaves the group (a
-    collective rank 0 waits in fails at once), and exits once rank 0 has raised the error."""
+    "A failed torchrun rank: its error to rank 0, then leave the group (rank 0's collective fails), exit once raised."
     traceback.print_exc()
     store.set("failure", f"tensor-parallel worker rank {tp.rank} failed: {type(error).__name__}: {error}\n\n"
                          f"--- traceback of rank {tp.rank} ---\n{traceback.format_exc()}")
-    try:
+    with contextlib.suppress(Exception):   # rank 0 never read it: torchrun ends every rank anyway once this one exits
         store.wait(["failure_seen"], timedelta(seconds=10))
         if tp.device_group is not tp.control_group:
             tp.device_group.abort()
         dist.destroy_process_group()
         store.wait(["failure_raised"], timedelta(seconds=30))
         time.sleep(1.0)   # (rank 0 prints its error; torchrun ends it once this rank exits)
-    except Exception:   # rank 0 never read it: torchrun ends every rank anyway once this one exits
-        pass
-
 
 # %%
 def torchrun_rank(config: Config, launched) -> TPExecutor:
-    """This process's rank of the group torchrun started (each of them makes the LLM). Rank 0 returns its executor;
-    the others serve rank 0's steps inside the LLM constructor, then end the process."""
-    from ..distributed.launch import torchrun_store
+    "This torchrun rank: rank 0 returns its executor; the others serve it inside the LLM constructor, then exit."
     if launched.world_size != config.tensor_parallel_size:
         raise ValueError(f"torchrun started {launched.world_size} processes, but tensor_parallel_size is "
                          f"{config.tensor_parallel_size}: they must be equal")

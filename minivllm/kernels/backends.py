@@ -23,7 +23,6 @@ def flash_attn_available() -> bool:
 
 
 def _unavailable_reason(backend: str, device: torch.device, block_size: int | None) -> str | None:
-    "Why `backend` cannot run here, or None when it can."
     if backend == "triton" and importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     if backend == "triton" and device.type != "cuda" and not INTERPRET:
@@ -39,10 +38,8 @@ def _unavailable_reason(backend: str, device: torch.device, block_size: int | No
 
 # %%
 def select_backend(device: torch.device | str, block_size: int | None = None, requested: str | None = None) -> str:
-    """The attention backend for `device` and a cache of `block_size` (None: no cache): torch, triton or flash_attn.
-    `requested` (else the MINIVLLM_ATTENTION_BACKEND variable, else auto) is checked; the engine asks once."""
-    device = torch.device(device)
-    requested = requested or os.environ.get(BACKEND_ENV) or "auto"
+    "The attention backend for `device` and `block_size`: `requested`, else MINIVLLM_ATTENTION_BACKEND, else auto."
+    device, requested = torch.device(device), requested or os.environ.get(BACKEND_ENV) or "auto"
     if requested not in BACKENDS + ("auto",):
         raise ValueError(f"unknown attention backend {requested!r}: choose one of {', '.join(BACKENDS)} (or auto)")
     if requested != "auto":

@@ -11,8 +11,7 @@ CASCADE_MIN_SAVED = 196608   # tokens of K/V per KV head that the cascade saves 
 
 
 def shared_prefix_len(block_tables: np.ndarray, context_lens: np.ndarray, block_size: int) -> int:
-    """How many leading tokens every sequence of a decode batch holds in the *same* blocks (shared through the
-    prefix cache), leaving each sequence at least its last token of its own; 0 when fewer than two sequences."""
+    "Leading tokens all sequences hold in the *same* blocks (each keeps its last token); 0 for fewer than two."
     if len(block_tables) < 2 or block_tables.shape[1] == 0 or (block_tables[:, 0] != block_tables[0, 0]).any():
         return 0
     same = (block_tables == block_tables[0]).all(axis=0)
@@ -51,16 +50,12 @@ def _shared_prefix_kernel(
         NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    kv_head = tl.program_id(0)
-    q_tile = tl.program_id(1)
+    kv_head, q_tile = tl.program_id(0), tl.program_id(1)
     chunk = tl.program_id(2)                    # this program's share of the prefix: partial slot `chunk`
-    num_chunks = tl.num_programs(2)
-    prefix_len = tl.load(prefix_len_ptr)
+    num_chunks, prefix_len = tl.num_programs(2), tl.load(prefix_len_ptr)
     rows = tl.arange(0, BLOCK_M)                # row = sequence * GROUP_PAD + query head within the group
-    seq = q_tile * (BLOCK_M // GROUP_PAD) + rows // GROUP_PAD
-    g = rows % GROUP_PAD
-    heads = kv_head * GROUP + g
-    real = (seq < batch) & (g < GROUP)
+    seq, g = q_tile * (BLOCK_M // GROUP_PAD) + rows // GROUP_PAD, rows % GROUP_PAD
+    heads, real = kv_head * GROUP + g, (seq < batch) & (g < GROUP)
     context_len = tl.load(context_lens_ptr + seq, mask=seq < batch, other=0)
     row_mask = real & (context_len >= prefix_len)   # padding rows of a CUDA graph (length 0) take no part
     part = (seq * NUM_Q_HEADS + heads) * num_parts + chunk
@@ -73,13 +68,11 @@ def _shared_prefix_kernel(
     if tile_start >= tile_end:
         tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=real)
         return
-
     q = tl.load(q_ptr + seq[:, None] * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     for tile in range(tile_start, tile_end):
@@ -92,12 +85,10 @@ def _shared_prefix_kernel(
         v = tl.load(v_cache_ptr + (block * stride_v_block + row * stride_v_tok + kv_head * stride_v_head)[:, None]
                     + dims[None, :], mask=valid[:, None] & dim_mask[None, :], other=0.0)
         if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+            k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_M, BLOCK_N]: many sequences at once
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
-
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None],
              mask=row_mask[:, None] & dim_mask[None, :])
     tl.store(part_lse_ptr + part, tl.where(row_mask, m_i + tl.log2(l_i), float("-inf")), mask=real)

@@ -25,7 +25,6 @@ def dot_options(dtype: torch.dtype) -> dict:
 
 
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    "The caches must be [num_blocks, block_size, kv_heads, head_dim], alike, with contiguous head_dim."
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache and v_cache must be alike [num_blocks, block_size, kv_heads, head_dim], got "
                          f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}")
@@ -35,8 +34,7 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 # %%
 @triton.jit
 def online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
-    """Fold one tile of scores `s` [M, N] (log2 units, masked to -inf) and its values `v` [N, D] into the running
-    max `m_i` [M], sum `l_i` [M] and output `acc` [M, D]: the step every flash-attention kernel repeats."""
+    "Fold a tile of scores `s` [M, N] (log2 units) and values `v` [N, D] into the running max, sum and output."
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])

@@ -21,9 +21,7 @@ def _paged_decode_kernel(
         NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_SPLITS: tl.constexpr,
         CASCADE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    kv_head = tl.program_id(0)
-    seq = tl.program_id(1)
-    split = tl.program_id(2)
+    kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     kv_start = 0
     if CASCADE:                                 # positions [0, kv_start) are the shared prefix: read elsewhere
@@ -33,10 +31,8 @@ def _paged_decode_kernel(
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_start = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, first_tile + num_tiles)
-
     rows = tl.arange(0, GROUP_PAD)              # the query heads that share this KV head (padded to >= 16)
-    heads = kv_head * GROUP + rows
-    row_mask = rows < GROUP
+    heads, row_mask = kv_head * GROUP + rows, rows < GROUP
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
     part = (seq * NUM_Q_HEADS + heads) * num_parts + (num_parts - num_splits) + split   # this split's partial slot
@@ -48,33 +44,27 @@ def _paged_decode_kernel(
                      tl.zeros([GROUP_PAD, DIM_PAD], tl.float32).to(out_ptr.dtype.element_ty),
                      mask=row_mask[:, None] & dim_mask[None, :])
         return
-
     q = tl.load(q_ptr + seq * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    m_i, l_i = tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     block_table = block_tables_ptr + seq * stride_bt
     for tile in range(tile_start, tile_end):
         pos = tile * BLOCK_N + offs_n
         valid = (pos >= kv_start) & (pos < context_len)
-        block = tl.load(block_table + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        row = pos % PAGE_SIZE
-        kv_mask = valid[:, None] & dim_mask[None, :]
+        block, row = tl.load(block_table + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64), pos % PAGE_SIZE
         k = tl.load(k_cache_ptr + (block * stride_k_block + row * stride_k_tok + kv_head * stride_k_head)[None, :]
                     + dims[:, None], mask=valid[None, :] & dim_mask[:, None], other=0.0)   # K^T: [DIM_PAD, BLOCK_N]
         v = tl.load(v_cache_ptr + (block * stride_v_block + row * stride_v_tok + kv_head * stride_v_head)[:, None]
-                    + dims[None, :], mask=kv_mask, other=0.0)
+                    + dims[None, :], mask=valid[:, None] & dim_mask[None, :], other=0.0)
         if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+            k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale   # [GROUP_PAD, BLOCK_N], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
-
     out = acc / l_i[:, None]
     if USE_SPLITS:
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out,
@@ -89,14 +79,11 @@ def _paged_decode_kernel(
 def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, num_splits, stride_o_tok, stride_o_head,
                          NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                          SPLITS_PAD: tl.constexpr):
-    head = tl.program_id(0)
-    seq = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, DIM_PAD)
+    head, seq = tl.program_id(0), tl.program_id(1)
+    splits, dims = tl.arange(0, SPLITS_PAD), tl.arange(0, DIM_PAD)
     base = (seq * NUM_Q_HEADS + head) * num_splits
     lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
-    has_kv = lse > float("-inf")
-    lse_max = tl.max(lse, 0)
+    has_kv, lse_max = lse > float("-inf"), tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(lse_max > float("-inf"), lse_max, 0.0))   # 0 for empty splits
     o = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
                 mask=has_kv[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
@@ -127,8 +114,7 @@ def num_sms(device: torch.device) -> int:
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, sms: int) -> int:
     "Split each sequence's KV so that about 4 programs per SM run, with at least MIN_TILES_PER_SPLIT tiles each."
-    programs = batch * num_kv_heads
-    wanted = -(-4 * sms // max(programs, 1))
+    wanted = -(-4 * sms // max(batch * num_kv_heads, 1))
     most = max(1, triton.cdiv(triton.cdiv(max_context, block_n), MIN_TILES_PER_SPLIT))
     return max(1, min(wanted, most, MAX_SPLITS))
 
@@ -153,12 +139,9 @@ class DecodeLaunch:
 
 def plan_decode(batch: int, num_heads: int, num_kv_heads: int, max_context: int, sms: int, cascade: bool = False,
                 block_n: int = DECODE_BLOCK_N, num_splits: int | None = None) -> DecodeLaunch:
-    "The launch of a decode step of `batch` sequences whose block tables cover up to `max_context` positions."
     group_pad = next_pow2(num_heads // num_kv_heads)
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context, block_n, sms)
-    block_m = max(SHARED_BLOCK_M, group_pad)
-    q_tiles = triton.cdiv(batch, block_m // group_pad)
+    num_splits = choose_num_splits(batch, num_kv_heads, max_context, block_n, sms) if num_splits is None else num_splits
+    q_tiles = triton.cdiv(batch, max(SHARED_BLOCK_M, group_pad) // group_pad)
     prefix_parts = choose_prefix_splits(num_kv_heads * q_tiles, sms) if cascade else 0
     return DecodeLaunch(num_splits, prefix_parts, group_pad, q_tiles)
 
@@ -183,9 +166,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, scale: float, *, shared_prefix_len: torch.Tensor | None = None,
                            num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence attends to its `context_lens[i]` cached tokens: q [B, heads, dim] -> [B, heads, dim].
-    With `shared_prefix_len` (a device int32 tensor [1], a multiple of the block size, that every sequence's block
-    table starts with the same blocks for), that prefix is read once for the whole batch (cascade attention)."""
+    "q [B, heads, dim], a token per sequence, over its cached KV; a `shared_prefix_len` (whole blocks) is read once."
     _check_decode(q, k_cache, v_cache, context_lens, block_tables, shared_prefix_len)
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty_like(q) if out is None else out

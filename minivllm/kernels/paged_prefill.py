@@ -17,10 +17,8 @@ def _paged_prefill_kernel(
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    lo = 0                                     # binary search: the last sequence whose first block is <= q_block
-    hi = num_seqs
+    q_block, kv_head = tl.program_id(0), tl.program_id(1)
+    lo, hi = 0, num_seqs                       # binary search: the last sequence whose first block is <= q_block
     while lo < hi:
         mid = (lo + hi) // 2
         if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= q_block:
@@ -34,12 +32,9 @@ def _paged_prefill_kernel(
     if first >= q_len:
         return
     context_len = tl.load(context_lens_ptr + seq)
-
     rows = tl.arange(0, BLOCK_M)               # row = token * GROUP_PAD + query head within the group
-    tok = first + rows // GROUP_PAD
-    g = rows % GROUP_PAD
-    heads = kv_head * GROUP + g
-    row_mask = (tok < q_len) & (g < GROUP)
+    tok, g = first + rows // GROUP_PAD, rows % GROUP_PAD
+    heads, row_mask = kv_head * GROUP + g, (tok < q_len) & (g < GROUP)
     q_pos = context_len - q_len + tok          # absolute position of each query row
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
@@ -47,9 +42,7 @@ def _paged_prefill_kernel(
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     kv_end = tl.minimum(context_len, context_len - q_len + first + BLOCK_Q)  # past the last query position: unseen
@@ -62,19 +55,16 @@ def _paged_prefill_kernel(
             k_rows = block * stride_k_block + (pos % PAGE_SIZE) * stride_k_tok
             v_rows = block * stride_v_block + (pos % PAGE_SIZE) * stride_v_tok
         else:
-            k_rows = (kv_start + pos) * stride_k_tok
-            v_rows = (kv_start + pos) * stride_v_tok
-        kv_mask = valid[:, None] & dim_mask[None, :]
+            k_rows, v_rows = (kv_start + pos) * stride_k_tok, (kv_start + pos) * stride_v_tok
         k = tl.load(k_ptr + (k_rows + kv_head * stride_k_head)[None, :] + dims[:, None],
                     mask=valid[None, :] & dim_mask[:, None], other=0.0)
-        v = tl.load(v_ptr + (v_rows + kv_head * stride_v_head)[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + (v_rows + kv_head * stride_v_head)[:, None] + dims[None, :],
+                    mask=valid[:, None] & dim_mask[None, :], other=0.0)
         if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+            k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
-
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
@@ -88,8 +78,7 @@ PREFILL_NUM_STAGES = 2
 
 def plan_prefill(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
                  block_m: int | None = None) -> tuple[int, int, tuple[int, int]]:
-    """`(block_m, block_q, grid)`: each program takes `block_q` query tokens of one sequence times the query heads of
-    one KV head (`block_m` rows); a sequence's last tile may be short, hence up to one extra program per sequence."""
+    "`(block_m, block_q, grid)`: programs of `block_q` tokens x a KV head's query heads, +1 per sequence (short tiles)."
     group_pad = next_pow2(num_heads // num_kv_heads)
     block_m = max(block_m or PREFILL_BLOCK_M, group_pad, 16)
     block_q = block_m // group_pad
@@ -98,15 +87,13 @@ def plan_prefill(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: i
 
 def _launch_prefill(q, k, v, cu_seqlens_q, kv_start, context_lens, block_tables, scale, page_size, paged,
                     block_m, block_n, out):
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[-2]
+    (num_tokens, num_heads, head_dim), num_kv_heads = q.shape, k.shape[-2]
     if num_heads % num_kv_heads or k.shape[-1] != head_dim:
         raise ValueError(f"q {tuple(q.shape)} does not fit k/v {tuple(k.shape)}: head_dim must match and the number "
                          f"of query heads must be a multiple of the number of KV heads")
     num_seqs = cu_seqlens_q.shape[0] - 1
     check_device(q, k, v, cu_seqlens_q, kv_start, context_lens, block_tables)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty_like(q) if out is None else out
     if num_tokens == 0 or num_seqs <= 0:
         return out
@@ -114,9 +101,8 @@ def _launch_prefill(q, k, v, cu_seqlens_q, kv_start, context_lens, block_tables,
     sk, sv = k.stride(), v.stride()
     _paged_prefill_kernel[grid](
         out, q, k, v, cu_seqlens_q, kv_start, context_lens, block_tables, scale * math.log2(math.e), num_seqs,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        sk[0] if paged else 0, sk[-3], sk[-2], sv[0] if paged else 0, sv[-3], sv[-2],
-        block_tables.stride(0) if paged else 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), sk[0] if paged else 0, sk[-3], sk[-2],
+        sv[0] if paged else 0, sv[-3], sv[-2], block_tables.stride(0) if paged else 0,
         GROUP=num_heads // num_kv_heads, GROUP_PAD=next_pow2(num_heads // num_kv_heads), HEAD_DIM=head_dim,
         DIM_PAD=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n or PREFILL_BLOCK_N, PAGED=paged,
@@ -144,8 +130,7 @@ def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if k.shape != v.shape or k.dim() != 3 or cu_seqlens_k.shape != cu_seqlens_q.shape:
         raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} must be alike [N, kv_heads, dim] and cu_seqlens_k "
                          f"{tuple(cu_seqlens_k.shape)} must match cu_seqlens_q {tuple(cu_seqlens_q.shape)}")
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        k, v = k.contiguous(), v.contiguous()
+    k, v = (k, v) if k.stride(-1) == 1 and v.stride(-1) == 1 else (k.contiguous(), v.contiguous())
     context_lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     return _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, context_lens, cu_seqlens_k, scale, 1, False,
                            block_m, block_n, out)

@@ -12,8 +12,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 
 def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     "q [nq, heads, dim] are the last nq positions of a sequence with keys/values k, v [nk, kv_heads, dim]."
-    nq, nk = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
+    nq, nk, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)  # query head h reads KV head h // group
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
@@ -26,11 +25,9 @@ def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     "Causal attention of each sequence's query rows over its cached K/V (prefill chunks and decode tokens alike)."
-    out = torch.zeros_like(q)
-    cu, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    out, cu, lens = torch.zeros_like(q), cu_seqlens_q.tolist(), context_lens.tolist()
     for i, length in enumerate(lens):
-        k = gather_kv(k_cache, block_tables[i], length)
-        v = gather_kv(v_cache, block_tables[i], length)
+        k, v = gather_kv(k_cache, block_tables[i], length), gather_kv(v_cache, block_tables[i], length)
         out[cu[i]:cu[i + 1]] = causal_attention_ref(q[cu[i]:cu[i + 1]], k, v, scale)
     return out
 
@@ -38,8 +35,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                          cu_seqlens_k: torch.Tensor, scale: float) -> torch.Tensor:
     "Causal attention over K/V given per token (no cache): sequence i is rows cu_seqlens_q[i]:cu_seqlens_q[i+1]."
-    out = torch.zeros_like(q)
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    out, cq, ck = torch.zeros_like(q), cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(cq) - 1):
         out[cq[i]:cq[i + 1]] = causal_attention_ref(q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]], scale)
     return out

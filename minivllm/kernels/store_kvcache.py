@@ -8,17 +8,15 @@ from .common import check_device, check_kv_cache, next_pow2
 
 
 @triton.jit
-def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                          stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                          stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
-                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr):
+def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_k_tok, stride_k_head,
+                          stride_v_tok, stride_v_head, stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
+                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+                          DIM_PAD: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # a padding token: nothing to write
         return
-    heads = tl.arange(0, HEADS_PAD)[:, None]
-    dims = tl.arange(0, DIM_PAD)[None, :]
+    heads, dims = tl.arange(0, HEADS_PAD)[:, None], tl.arange(0, DIM_PAD)[None, :]
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
     k = tl.load(k_ptr + token * stride_k_tok + heads * stride_k_head + dims, mask=mask)
     v = tl.load(v_ptr + token * stride_v_tok + heads * stride_v_head + dims, mask=mask)
@@ -37,10 +35,8 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
         raise ValueError(f"store_kvcache: k/v are {k.dtype}, the cache is {k_cache.dtype}")
     check_device(k, v, k_cache, v_cache, slot_mapping)
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
     if n == 0:
         return
     _store_kvcache_kernel[(n,)](

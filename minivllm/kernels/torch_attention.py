@@ -19,8 +19,7 @@ def gather_padded_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: i
 def decode_attention_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                             block_tables: torch.Tensor, scale: float, max_len: int) -> torch.Tensor:
     "q [B, heads, dim], one token per sequence, over its `context_lens[i] <= max_len` cached tokens -> float32 out."
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    (num_seqs, num_heads, head_dim), num_kv_heads = q.shape, k_cache.shape[2]
     group = num_heads // num_kv_heads
     k = gather_padded_kv(k_cache, block_tables, max_len).float()              # [B, L, kv_heads, dim]
     v = gather_padded_kv(v_cache, block_tables, max_len).float()
@@ -68,17 +67,15 @@ def causal_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     "`causal_attention_ref` in one fused call: q [n, heads, dim] are the last n positions of k, v [L, kv_heads, dim]."
     n, length = q.shape[0], k.shape[0]
     mask = None if n == length else torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
-    out = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
-                                         v.float().transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
-                                         scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1).to(q.dtype)
+    return F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+                                          v.float().transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                                          scale=scale, enable_gqa=True)[0].transpose(0, 1).to(q.dtype)
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     "`paged_attention_ref`, fast on a CPU: the decode rows of all sequences batched, one SDPA call per prefill chunk."
-    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    decode = q_lens == 1
+    decode = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]) == 1   # the sequences that compute one token
     if bool(decode.all()):
         return paged_decode_torch(q, k_cache, v_cache, context_lens, block_tables, scale)
     out = torch.zeros_like(q)
@@ -105,8 +102,7 @@ def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 def varlen_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            cu_seqlens_k: torch.Tensor, scale: float) -> torch.Tensor:
     "`varlen_attention_ref` (no cache) with one fused SDPA call per sequence."
-    out = torch.zeros_like(q)
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    out, cq, ck = torch.zeros_like(q), cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(cq) - 1):
         if cq[i + 1] > cq[i]:
             out[cq[i]:cq[i + 1]] = causal_attention_sdpa(q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]],

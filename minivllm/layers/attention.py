@@ -23,7 +23,6 @@ class AttentionMetadata:
 
     @property
     def is_decode_only(self) -> bool:
-        "Every sequence computes one token: the shape of a decode step (and of CUDA graphs)."
         return self.max_seqlen_q == 1
 
     @classmethod
@@ -45,7 +44,6 @@ class AttentionMetadata:
 # %%
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, backend: str) -> None:
-    "Write the step's new keys and values into their cache slots."
     if backend == "torch":
         store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping)
     else:
@@ -75,8 +73,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return paged_decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale,
                                       shared_prefix_len=meta.shared_prefix_len)
     from minivllm.kernels.paged_prefill import paged_prefill_attention
-    return paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                                   scale)
+    return paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale)
 
 # %%
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | None, scale: float,
@@ -97,8 +94,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
 
 # %%
 class Attention(nn.Module):
-    """Paged causal attention: writes the step's K/V into the cache, then attends. The engine gives it its cache
-    (`k_cache`, `v_cache`: views of one KV tensor) and the backend it chose once (torch, triton or flash_attn)."""
+    "Paged causal attention: writes the step's K/V into the cache (the engine sets `k_cache`, `v_cache`), then attends."
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, backend: str = "torch"):
         super().__init__()

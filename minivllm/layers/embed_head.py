@@ -13,8 +13,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: TPGroup = SINGLE):
         super().__init__()
-        self.tp = tp
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.tp, self.num_embeddings, self.embedding_dim = tp, num_embeddings, embedding_dim
         self.num_embeddings_per_partition = -(-num_embeddings // tp.size)  # ceil: the last rank may be short
         self.vocab_start_idx = min(tp.rank * self.num_embeddings_per_partition, num_embeddings)
         self.vocab_end_idx = min(self.vocab_start_idx + self.num_embeddings_per_partition, num_embeddings)
@@ -49,7 +48,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, tp=tp)
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
-        "Use the embedding's weight as this head's weight (tied input and output embeddings)."
         if embedding.weight.shape != self.weight.shape:
             raise ValueError(f"cannot tie an LM head of shape {list(self.weight.shape)} "
                              f"to an embedding of shape {list(embedding.weight.shape)}")
@@ -57,6 +55,5 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         "`[num_rows, hidden] -> [num_rows, vocab]` logits (each rank gets all of them)."
-        logits = F.linear(hidden_states, self.weight)
-        logits = all_gather_last_dim(logits, self.tp)
+        logits = all_gather_last_dim(F.linear(hidden_states, self.weight), self.tp)
         return logits[..., :self.num_embeddings] if logits.shape[-1] > self.num_embeddings else logits

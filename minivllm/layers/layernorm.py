@@ -7,8 +7,7 @@ from .fusion import fused_on_gpu
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
+    dtype, x = x.dtype, x.float()
     x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
     return weight * x.to(dtype)
 
@@ -22,7 +21,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @fused_on_gpu
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    "`(rms_norm(x + residual), x + residual)`: the residual add fused into the norm."
     x = x + residual
     return _rms_norm(x, weight, eps), x
 
@@ -32,12 +30,10 @@ class RMSNorm(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
-        self.hidden_size, self.eps = hidden_size, eps
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.hidden_size, self.eps, self.weight = hidden_size, eps, nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        "`norm(x)`, or with a residual `(norm(x + residual), x + residual)`."
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

@@ -8,7 +8,6 @@ from ..distributed.parallel_state import SINGLE, TPGroup, all_reduce, divide
 
 
 def check_shape(loaded: torch.Tensor, expected: tuple[int, ...] | torch.Size) -> None:
-    "A ValueError stating both shapes when a checkpoint tensor does not have the full shape the layer expects."
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"expected shape {list(expected)}, found {list(loaded.shape)}")
 
@@ -24,8 +23,7 @@ class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None,
                  tp: TPGroup = SINGLE):
         super().__init__()
-        self.tp, self.tp_dim = tp, tp_dim
-        self.input_size, self.output_size = input_size, output_size
+        self.tp, self.tp_dim, self.input_size, self.output_size = tp, tp_dim, input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -98,22 +96,19 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads, self.kv_replicas = 1, replicas
         else:
             self.num_kv_heads, self.kv_replicas = divide(total_num_kv_heads, tp.size, "num_key_value_heads"), 1
-        per_rank = (self.num_heads + 2 * self.num_kv_heads) * head_size
-        super().__init__(hidden_size, per_rank * tp.size, bias, tp=tp)
+        super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_size * tp.size, bias, tp=tp)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None) -> None:
         q, kv = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         if shard_id == "q":
             offset, shard, first_head, total = 0, q, self.tp.rank * self.num_heads, self.total_num_heads
         elif shard_id in ("k", "v"):
-            offset = q if shard_id == "k" else q + kv
+            offset, shard = q if shard_id == "k" else q + kv, kv
             first_head, total = self.tp.rank // self.kv_replicas * self.num_kv_heads, self.total_num_kv_heads
-            shard = kv
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         check_shape(loaded_weight, (total * self.head_size, *param.shape[1:]))
-        src = loaded_weight.narrow(0, first_head * self.head_size, shard)
-        param.data.narrow(0, offset, shard).copy_(src)
+        param.data.narrow(0, offset, shard).copy_(loaded_weight.narrow(0, first_head * self.head_size, shard))
 
 # %%
 class RowParallelLinear(LinearBase):
@@ -133,5 +128,4 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded_weight.narrow(1, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
-        return all_reduce(y, self.tp)
+        return all_reduce(F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None), self.tp)

@@ -36,7 +36,6 @@ class RotaryEmbedding(nn.Module):
         if max_position < 1 or base <= 0:
             raise ValueError(f"max_position must be >= 1 and base > 0, got {max_position} and {base}")
         self.head_size, self.rotary_dim, self.max_position, self.base = head_size, rotary_dim, max_position, base
-        # float32 on the model's device; a buffer of this module only (not saved in checkpoints)
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(rotary_dim, max_position, base), persistent=False)
 
     def _apply(self, fn, recurse=True):
@@ -46,10 +45,6 @@ class RotaryEmbedding(nn.Module):
             cache = rope_cos_sin_cache(self.rotary_dim, self.max_position, self.base)
             self.cos_sin_cache = cache.to(self.cos_sin_cache.device)
         return self
-
-    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
-        return cos.unsqueeze(-2), sin.unsqueeze(-2)  # [num_tokens, 1, rotary_dim / 2]: broadcast over heads
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -61,7 +56,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         "Rotate `q` and `k` (`[num_tokens, heads, head_size]` or `[num_tokens, heads * head_size]`) by `positions`."
-        cos, sin = self._cos_sin(positions)
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(-2).chunk(2, dim=-1)   # [tokens, 1, rotary_dim / 2] each
         if self.rotary_dim == self.head_size and q.dim() == k.dim() == 3:   # Qwen3's case: one fused call
             return rotate_qk(q, k, cos, sin)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
@@ -87,15 +82,11 @@ def _rope_type(rope_scaling: dict | None) -> str:
     return rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
 
 
-def _check_rope_scaling(rope_scaling: dict | None) -> None:
+def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
+             rope_scaling: dict | None = None) -> RotaryEmbedding:
+    "A `RotaryEmbedding` for these parameters (a model makes one and its layers share it); unsupported scaling fails."
     kind = _rope_type(rope_scaling)
     if kind != "default":
         raise ValueError(f"rope scaling type {kind!r} is not supported by minivllm (only the default rotary embedding); "
                          f"remove rope_scaling from the model config to run it without context extension")
-
-
-def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
-             rope_scaling: dict | None = None) -> RotaryEmbedding:
-    "A `RotaryEmbedding` for these parameters (a model makes one and its layers share it); unsupported scaling fails."
-    _check_rope_scaling(rope_scaling)
     return RotaryEmbedding(int(head_size), int(rotary_dim), int(max_position), float(base))

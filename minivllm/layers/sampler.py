@@ -11,20 +11,17 @@ _NEG_INF = float("-inf")
 
 
 def apply_top_k(logits: torch.Tensor, k: torch.Tensor, max_top_k: int) -> torch.Tensor:
-    """Keep the logits of each row that are at least its `k`-th largest; rows with `k <= 0` are kept whole.
-    In place on `logits` [B, V]; `k` [B] int64; `max_top_k` = max(k), known on the host (no sort, no sync)."""
+    "Keep each row's logits >= its `k`-th largest (`k <= 0`: all), in place; `max_top_k` = max(k): no sort, no sync."
     max_top_k = min(max_top_k, logits.shape[-1])
     if max_top_k < 1:
         return logits
-    kth_index = (k.clamp(1, max_top_k) - 1).unsqueeze(1)
-    kth_largest = logits.topk(max_top_k, dim=-1).values.gather(1, kth_index)
+    kth_largest = logits.topk(max_top_k, dim=-1).values.gather(1, (k.clamp(1, max_top_k) - 1).unsqueeze(1))
     kth_largest.masked_fill_((k <= 0).unsqueeze(1), _NEG_INF)
     return logits.masked_fill_(logits < kth_largest, _NEG_INF)
 
 # %%
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-    """Top-k, then top-p on what top-k kept, with one sort of each row. In place on `logits` [B, V].
-    `k` [B] int64 (`<= 0`: off for that row), `p` [B] float (`1.0`: off); either may be None (off for every row)."""
+    "Top-k, then top-p on what top-k kept, with one sort per row, in place (`k <= 0`, `p = 1`, None: off)."
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1)  # ascending: each row's most likely token is last
     if k is not None:
@@ -40,8 +37,7 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
 
 # %%
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop the tokens less likely than `min_p` times the row's most likely token (`min_p = 0`: off for that row).
-    In place on `logits` [B, V]; `min_p` [B] float."""
+    "Drop the tokens less likely than `min_p` times the row's most likely token (`min_p = 0`: off), in place."
     probs = logits.softmax(dim=-1)
     too_unlikely = probs < probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
     return logits.masked_fill_(too_unlikely, _NEG_INF)
@@ -49,9 +45,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 # %%
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator] | None = None,
                   generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of `probs` [B, V] (unnormalized is fine) by the exponential race: argmax(probs / E),
-    E ~ Exponential(1). Row `i` in `generators` draws its noise from `generators[i]` alone, the other rows from
-    `generator` (the engine's own; None: torch's default). Overwrites `probs`."""
+    "Per row of `probs` (unnormalized, overwritten): argmax(p / E), E ~ Exp(1) drawn by `generators[i]` or `generator`."
     noise = torch.empty_like(probs)
     if not generators or len(generators) < probs.shape[0]:
         noise.exponential_(generator=generator)
@@ -60,12 +54,6 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator] | 
     return probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 # %%
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    "A short host list as a tensor on `device`; on CUDA through pinned memory, so the copy does not block the host."
-    pin = device.type == "cuda"
-    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
-
-
 @dataclass
 class SamplingTensors:
     "The sampling parameters of one batch as tensors [B] on the logits' device, and what the batch as a whole needs."
@@ -83,28 +71,24 @@ class SamplingTensors:
     @property
     def max_num_logprobs(self) -> int | None:
         "The most log-probabilities any row asked for; None when no row asked (the common case)."
-        asked = [n for n in self.num_logprobs if n is not None]
-        return max(asked) if asked else None
+        return max((n for n in self.num_logprobs if n is not None), default=None)
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> SamplingTensors:
-        "Build the tensors of one batch, one row per request, in batch order."
-        greedy, temps, top_k, top_p, min_p, num_logprobs = [], [], [], [], [], []
-        for sp in params:
-            g = sp.greedy
-            greedy.append(g)
-            temps.append(1.0 if g else sp.temperature)
-            top_k.append(sp.top_k if sp.top_k > 0 and not g else 0)
-            top_p.append(1.0 if g else sp.top_p)
-            min_p.append(0.0 if g else sp.min_p)
-            num_logprobs.append(sp.logprobs)
-        all_greedy, all_random = all(greedy), not any(greedy)
-        max_top_k = max(top_k)
+        greedy = [sp.greedy for sp in params]   # greedy rows: neutral values in every other list
+        temps = [1.0 if g else sp.temperature for sp, g in zip(params, greedy)]
+        top_k = [sp.top_k if sp.top_k > 0 and not g else 0 for sp, g in zip(params, greedy)]
+        top_p = [1.0 if g else sp.top_p for sp, g in zip(params, greedy)]
+        min_p = [0.0 if g else sp.min_p for sp, g in zip(params, greedy)]
+        num_logprobs = [sp.logprobs for sp in params]
+        all_greedy, all_random, max_top_k = all(greedy), not any(greedy), max(top_k)
         device = torch.device(device)
+        pin = device.type == "cuda"   # through pinned memory: the copy does not block the host
 
         def tensor(values, dtype, needed=True):
-            return _to_device(values, dtype, device) if needed and not all_greedy else None
-
+            if not needed or all_greedy:
+                return None
+            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
         return cls(batch_size=len(params),
                    temperatures=tensor(temps, torch.float32),
                    greedy_mask=tensor(greedy, torch.bool, not all_random),
@@ -149,10 +133,8 @@ class LogprobsTensors:
 
 
 def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
-    """Raw log-probabilities (log_softmax of `logits` [B, V]) of the sampled `token_ids` [B] and of the top
-    `num_logprobs` tokens of each row."""
+    "Raw log-probabilities (log_softmax of `logits`) of the sampled `token_ids` and of each row's top `num_logprobs`."
     logprobs = logits.float().log_softmax(dim=-1)
-    top = logprobs.topk(min(num_logprobs, logprobs.shape[-1]), dim=-1)
-    sampled = token_ids.long().unsqueeze(1)
+    top, sampled = logprobs.topk(min(num_logprobs, logprobs.shape[-1]), dim=-1), token_ids.long().unsqueeze(1)
     return LogprobsTensors(torch.cat([sampled, top.indices], dim=1),
                            torch.cat([logprobs.gather(1, sampled), top.values], dim=1))

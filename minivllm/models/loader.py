@@ -47,20 +47,15 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
     param.data.copy_(loaded_weight)
 
 
-def _skipped(name: str, tied_aliases: set[str]) -> bool:
-    return name in tied_aliases or name.endswith("rotary_emb.inv_freq")
-
-
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  mapping: dict[str, tuple[str, str | int]]) -> nn.Module:
-    """Load checkpoint-named tensors into `model` through each parameter's `weight_loader`; every one must fit.
-    `mapping` says which checkpoint tensors are packed into one parameter (the model family's, from the registry)."""
+    "Load checkpoint tensors through each parameter's `weight_loader` (`mapping`: the packed ones); all must fit."
     params = dict(model.named_parameters())
     tied_aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - params.keys()
     expected = {(p, shard): ckpt for p in params for shard, ckpt in checkpoint_names(p, mapping).items()}
     loaded: set[tuple[str, str | int | None]] = set()
     for name, tensor in weights:
-        if _skipped(name, tied_aliases):
+        if name in tied_aliases or name.endswith("rotary_emb.inv_freq"):
             continue
         param_name, shard_id = packed_name(name, mapping)
         if param_name not in params:
@@ -84,5 +79,4 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
 
 
 def load_model(model: nn.Module, path: str | Path, mapping: dict[str, tuple[str, str | int]]) -> nn.Module:
-    "Fill `model` from the `*.safetensors` files of the Hugging Face folder `path`; returns the model."
     return load_weights(model, safetensors_weights(path), mapping)

@@ -21,10 +21,8 @@ class Qwen3Attention(nn.Module):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, bias=qkv_bias, tp=tp)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # on this rank
-        self.head_dim = head_dim
-        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
-        self.q_norm = RMSNorm(head_dim, eps=rms_norm_eps)
-        self.k_norm = RMSNorm(head_dim, eps=rms_norm_eps)
+        self.head_dim, self.q_size, self.kv_size = head_dim, self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.q_norm, self.k_norm = RMSNorm(head_dim, eps=rms_norm_eps), RMSNorm(head_dim, eps=rms_norm_eps)
         self.rotary_emb = rotary_emb   # the model's one table of angles, shared by its layers
         self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=qkv_bias, tp=tp)
@@ -35,8 +33,7 @@ class Qwen3Attention(nn.Module):
         q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
         q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta)
-        return self.o_proj(o.flatten(1, -1))
+        return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta).flatten(1, -1))
 
 # %%
 class Qwen3MLP(nn.Module):
@@ -45,8 +42,7 @@ class Qwen3MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, *, tp: TPGroup = SINGLE):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp=tp)
-        self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp)
+        self.act_fn, self.down_proj = SiluAndMul(), RowParallelLinear(intermediate_size, hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -81,7 +77,6 @@ def head_dim(config: Qwen3Config) -> int:
 
 # %%
 def check_config(config: Qwen3Config) -> None:
-    "A ValueError naming the setting when a Qwen3 config uses something this model does not implement."
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types) or (
             not layer_types and getattr(config, "use_sliding_window", False)):
@@ -109,14 +104,12 @@ class Qwen3Model(nn.Module):
         hidden_states, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, meta)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        return self.norm(hidden_states, residual)[0]   # (the norm's second output: the sum before it)
 
 # %%
 QWEN3_PACKED_WEIGHTS = {   # checkpoint name part -> (our packed parameter, its shard)
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -125,8 +118,7 @@ class Qwen3ForCausalLM(nn.Module):
     def __init__(self, config: Qwen3Config, tp: TPGroup = SINGLE):
         super().__init__()
         check_config(config)
-        self.config = config
-        self.model = Qwen3Model(config, tp)
+        self.config, self.model = config, Qwen3Model(config, tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
         if config.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)

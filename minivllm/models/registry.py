@@ -50,8 +50,7 @@ def load_config(path: str | Path) -> PretrainedConfig:
 def build_model(hf_config: PretrainedConfig, path: str | Path, dtype: torch.dtype, device: torch.device,
                 tp: TPGroup = SINGLE) -> nn.Module:
     "The model of `hf_config`'s family, this rank's shard, made in `dtype` on `device` and filled from `path`."
-    spec = model_spec(hf_config)
-    default_dtype = torch.get_default_dtype()
+    spec, default_dtype = model_spec(hf_config), torch.get_default_dtype()
     torch.set_default_dtype(dtype)   # the parameters are made in `dtype` (restored at once)
     try:
         with torch.device(device):

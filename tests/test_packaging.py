@@ -1,0 +1,63 @@
+"""The package as users install it (project issue 12): the engine runs without the course's libraries.
+
+`pip install minivllm` brings what the engine needs; the pictures and players of the notebooks (matplotlib,
+ipywidgets) come with the `course` extra. A subprocess that makes those imports fail still imports every runtime
+module and generates; the drawing modules stay importable where the course's libraries are installed.
+"""
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import minivllm
+
+COURSE_ONLY = ("viz",)   # minivllm.viz, viz_timeline, viz_bench: the drawing modules
+BLOCKED = ("matplotlib", "ipywidgets")
+
+
+def runtime_modules() -> list[str]:
+    return sorted(m.name for m in pkgutil.walk_packages(minivllm.__path__, "minivllm.")
+                  if not m.name.split(".")[-1].startswith(COURSE_ONLY) and m.name != "minivllm.__main__")
+
+
+@pytest.mark.timeout(300)
+def test_the_runtime_needs_no_course_library():
+    script = textwrap.dedent(f"""
+        import importlib, importlib.abc, sys
+
+        class Blocked(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name.split(".")[0] in {BLOCKED!r}:
+                    raise ImportError(f"{{name}} is not installed (blocked by the test)")
+
+        sys.meta_path.insert(0, Blocked())
+        for name in {runtime_modules()!r}:
+            importlib.import_module(name)
+        from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
+        with LLM(TINY_MODEL_PATH, device="cpu", max_model_len=128) as llm:
+            out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=4))
+        assert len(out[0].outputs[0].token_ids) == 4
+        assert not any(m.split(".")[0] in {BLOCKED!r} for m in sys.modules)
+        print("ok")
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def test_the_drawing_modules_import_with_the_course_libraries():
+    import minivllm.viz
+    import minivllm.viz_bench
+    import minivllm.viz_timeline
+    assert callable(minivllm.viz.draw_kv_cache) and callable(minivllm.viz_timeline.draw_timeline)
+    assert callable(minivllm.viz_bench.plot_report)
+    assert "minivllm.engine.llm_engine" in runtime_modules() and "minivllm.viz" not in runtime_modules()
+
+
+def test_star_import_gives_the_public_api():
+    namespace: dict = {}
+    exec("from minivllm import *", namespace)
+    assert {"LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TINY_MODEL_PATH"} <= set(namespace)

@@ -1,0 +1,63 @@
+"""The shape of the course and the package: the longest notebook code cells, the largest files, the longest functions.
+
+    python tools/shape.py            # print the report; exit 1 when a limit is broken (`make test` runs it)
+
+Limits: a notebook code cell <= 70 lines; a package file <= 300 lines; a Python function <= 60 lines (a Triton
+kernel, decorated with `triton.jit`, <= 80); the runtime package (every module but the drawing modules `viz*` and the
+benchmark modules `bench*`) <= 4,779 lines, its size before the redesign (project issue 12).
+"""
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_CELL, MAX_FILE, MAX_FUNCTION, MAX_KERNEL, MAX_RUNTIME = 70, 300, 60, 80, 4779
+COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code
+
+
+def is_kernel(node: ast.FunctionDef) -> bool:
+    "Decorated with `triton.jit` (or `triton.jit(...)`)."
+    return any("triton.jit" in ast.unparse(d) for d in node.decorator_list)
+
+
+def functions(path: Path) -> list[tuple[int, str, int]]:
+    "(lines, where, limit) of every function and method of a module."
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [(node.end_lineno - node.lineno + 1, f"{path.relative_to(ROOT)}:{node.lineno} {node.name}",
+             MAX_KERNEL if is_kernel(node) else MAX_FUNCTION)
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def code_cells(notebook: Path) -> list[tuple[int, str]]:
+    cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+    return [(len("".join(c["source"]).splitlines()), f"{notebook.name}[{i}]")
+            for i, c in enumerate(cells) if c["cell_type"] == "code"]
+
+
+def report() -> list[str]:
+    "Print the figures; return the broken limits."
+    files = {p: len(p.read_text(encoding="utf-8").splitlines()) for p in sorted((ROOT / "minivllm").rglob("*.py"))}
+    runtime = sum(n for p, n in files.items() if not p.stem.startswith(COURSE_ONLY))
+    funcs = sorted((f for p in files for f in functions(p)), reverse=True)
+    cells = sorted((c for nb in sorted((ROOT / "notebooks").glob("*.ipynb")) for c in code_cells(nb)), reverse=True)
+    largest = sorted(files.items(), key=lambda item: -item[1])
+    print(f"package: {sum(files.values())} lines in {len(files)} files; runtime (all but viz*, bench*): {runtime} "
+          f"(limit {MAX_RUNTIME})")
+    print("largest files:", ", ".join(f"{p.relative_to(ROOT / 'minivllm')} {n}" for p, n in largest[:5]))
+    print("longest functions:", ", ".join(f"{n} {where}" for n, where, _ in funcs[:5]))
+    print("longest code cells:", ", ".join(f"{n} {where}" for n, where in cells[:5]))
+    broken = [f"code cell {where}: {n} lines > {MAX_CELL}" for n, where in cells if n > MAX_CELL]
+    broken += [f"{p.relative_to(ROOT)}: {n} lines > {MAX_FILE}" for p, n in files.items() if n > MAX_FILE]
+    broken += [f"function {where}: {n} lines > {limit}" for n, where, limit in funcs if n > limit]
+    if runtime > MAX_RUNTIME:
+        broken.append(f"the runtime package has {runtime} lines > {MAX_RUNTIME}")
+    return broken
+
+
+if __name__ == "__main__":
+    problems = report()
+    print("shape: " + ("; ".join(problems) if problems else "within limits"))
+    sys.exit(1 if problems else 0)
