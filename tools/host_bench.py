@@ -13,8 +13,8 @@ The engine is the tiny model's on the CPU, with default settings (asynchronous s
   memory: `ModelRunner.execute` takes the GPU's path, and `replay` fills its host mirror and copies it into the
   "device" buffer as it would on the GPU.
 
-So each timed `LLMEngine.step()` is what the host does per decode step on a GPU: `Scheduler.lookahead`, the look-ahead
-step's `prepare_decode` and graph-buffer fill, `collect`, `Scheduler.postprocess`, `_update` of each request. Not
+So each timed `LLMEngine.step()` is what the host does per decode step on a GPU: `plan_lookahead`, the look-ahead
+step's `BatchBuilder.build` and graph-buffer fill, `collect`, `Scheduler.postprocess`, the output processor. Not
 included: the real graph launch and the device waits (a GPU's work). The steps timed are decode steps at full batch
 after a few warm-up steps, one `perf_counter` pair each; the median is reported.
 """
@@ -42,7 +42,7 @@ class StubModel(nn.Module):
         super().__init__()
         self.hidden_size = hidden_size
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta=None) -> torch.Tensor:
         return torch.zeros(len(input_ids), self.hidden_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -55,7 +55,7 @@ class StubSampler:
     def __init__(self, max_batch: int, vocab_size: int):
         self.ids = torch.randint(3, vocab_size, (max_batch,), generator=torch.Generator().manual_seed(0))
 
-    def __call__(self, logits: torch.Tensor, sampling, generators=None) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, sampling, generators=None, generator=None) -> torch.Tensor:
         return self.ids[:len(logits)]
 
 
@@ -87,7 +87,7 @@ def host_engine(batch: int, prompt_len: int, max_tokens: int, seed: int = 0):
     llm = LLM(TINY_MODEL_PATH, device="cpu", skip_tokenizer_init=True, max_num_seqs=max(batch, 1),
               num_kvcache_blocks=max(blocks, 128))
     engine = llm.llm_engine
-    runner, config = engine.model_runner, engine.config
+    runner, config = engine.executor.runner, engine.config
     runner.model = StubModel(config.hf_config.hidden_size)
     runner.sampler = StubSampler(config.max_num_batched_tokens, config.hf_config.vocab_size)
     runner.graphs = host_graph_runner(runner.model, config)
@@ -141,7 +141,7 @@ def main() -> None:
     for _ in range(args.repeats):
         llm, engine = host_engine(args.batch, args.prompt_len, args.max_tokens)
         times += time_steps(engine, args.steps)
-        assert len(engine.scheduler.running) == args.batch and engine._inflight is not None
+        assert len(engine.scheduler.running) == args.batch and engine.in_flight is not None
         llm.close()
     q = statistics.quantiles(times, n=10)
     print(f"host time per decode step at batch {args.batch} (prompt {args.prompt_len} tokens, "

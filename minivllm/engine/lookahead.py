@@ -12,7 +12,7 @@ def plan_lookahead(scheduler: Scheduler, plan: StepPlan) -> StepPlan | None:
         return None
     bs, limit, keep, rows, grow = scheduler.block_size, scheduler.max_model_len - 1, [], [], []
     for row, seq in enumerate(plan.seqs):
-        n = seq.num_tokens
+        n = len(seq.token_ids)
         if n >= limit or n + 1 >= seq.max_num_tokens:
             continue   # `plan` finishes it by length
         if n // bs >= len(seq.block_table):   # its next token starts a new block
@@ -22,5 +22,5 @@ def plan_lookahead(scheduler: Scheduler, plan: StepPlan) -> StepPlan | None:
     if not keep or len(grow) > scheduler.block_manager.num_free_blocks:
         return None
     for seq in grow:
-        scheduler.block_manager.reserve(seq, seq.num_tokens + 1)
+        scheduler.block_manager.reserve(seq, len(seq.token_ids) + 1)
     return StepPlan.decode(keep, ahead_rows=rows)

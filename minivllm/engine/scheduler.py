@@ -210,8 +210,8 @@ def postprocess(self: Scheduler, plan: StepPlan, token_ids: list[int]) -> list[S
             self.block_manager.commit(seq, before // bs)
         if token_id is None:
             continue
-        seq.append_token(token_id)
-        length, stop_ids = seq.num_tokens, seq.sampling_params.stop_token_ids
+        seq.token_ids.append(token_id)   # (the hot loop of a decode step: no method calls it can do without)
+        length, stop_ids = len(seq.token_ids), seq.sampling_params.stop_token_ids
         if length >= seq.max_num_tokens or length >= limit or token_id in eos or token_id in stop_ids:
             reason, stop_reason = check_stop(seq, token_id, eos, limit)   # (the cheap test above rules most out)
             if reason is not None:

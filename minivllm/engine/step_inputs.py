@@ -9,7 +9,7 @@ import torch
 from ..layers.attention import AttentionMetadata
 
 # Every array of a step: its name, its type and its length in the step's sizes (T new tokens, S sampled rows,
-# B sequences, W the widest block table). The int64 arrays come first, so every array is aligned in a packed buffer.
+# B sequences, W the widest block table), in the order they are packed into one buffer.
 STEP_FIELDS = (("input_ids", np.int64, "T"), ("positions", np.int64, "T"), ("slot_mapping", np.int64, "T"),
                ("logits_indices", np.int64, "S"), ("seq_ids", np.int64, "S"), ("cu_seqlens_q", np.int32, "B+1"),
                ("cu_seqlens_k", np.int32, "B+1"), ("context_lens", np.int32, "B"), ("block_tables", np.int32, "BxW"),
@@ -28,12 +28,15 @@ class StepSizes:
         return {"T": (t,), "S": (s,), "B": (b,), "B+1": (b + 1,), "BxW": (b, w), "1": (1,)}[size]
 
 
+ALIGN = 16   # bytes: Triton compiles a kernel anew for each alignment of its pointers; keep them all 16-aligned
+
+
 @functools.lru_cache(maxsize=1024)   # (immutable: steps of the same sizes share their layout)
 def step_layout(sizes: StepSizes) -> tuple[tuple[str, np.dtype, tuple[int, ...], int], ...]:
     "(name, dtype, shape, byte offset) of each array of a step of these sizes, packed one after the other."
     layout, offset = [], 0
     for name, dtype, size in STEP_FIELDS:
-        shape = sizes.shape(size)
+        shape, offset = sizes.shape(size), -(-offset // ALIGN) * ALIGN
         layout.append((name, np.dtype(dtype), shape, offset))
         offset += int(np.prod(shape)) * np.dtype(dtype).itemsize
     return tuple(layout)
