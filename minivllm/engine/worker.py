@@ -154,10 +154,12 @@ def run_worker(config: Config, rank: int, store_port: int, status: Connection, r
 
 # %%
 class FailureWatch:
-    "Under torchrun, a thread that finds a failed rank's report, aborts rank 0's communicator and acknowledges it."
+    """Under torchrun, a thread that finds a failed rank's report in torchrun's store and acknowledges it. Rank 0 waits
+    for the device by polling (never blocked in a collective), so it sees the report and raises; torchrun ends the
+    ranks once the failed one exits (aborting NCCL here could block the thread that has to raise the error)."""
 
-    def __init__(self, store: dist.Store, tp: TPGroup):
-        self.store, self.tp, self.report, self.stopped = store, tp, None, False
+    def __init__(self, store: dist.Store):
+        self.store, self.report, self.stopped = store, None, False
         self.thread = threading.Thread(target=self._watch, name="minivllm-tp-failures", daemon=True)
         self.thread.start()
 
@@ -165,8 +167,6 @@ class FailureWatch:
         while not self.stopped:
             if self.store.check(["failure"]):
                 self.report = self.store.get("failure").decode()
-                if self.tp.device_group is not self.tp.control_group:
-                    self.tp.device_group.abort()
                 self.store.set("failure_seen", "1")
                 return
             time.sleep(0.2)
@@ -209,7 +209,7 @@ def torchrun_rank(config: Config, launched) -> TPExecutor:
         cpu_threads_per_rank(launched.world_size))
     tp, store, hook = join_group(launched.rank, launched.world_size, device), torchrun_store(), failure_hook(launched.rank)
     if launched.rank == 0:
-        return TPExecutor(config, ModelRunner(config, launched.local_rank, tp), tp, FailureWatch(store, tp))
+        return TPExecutor(config, ModelRunner(config, launched.local_rank, tp), tp, FailureWatch(store))
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is rank 0's to handle
     try:
         inject_failure(launched.rank, "load", hook)
