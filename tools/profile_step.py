@@ -21,22 +21,24 @@ from minivllm.bench import random_qwen3_folder
 
 
 PHASES = [  # (label, owner, attribute): the host work of one decode step, phase by phase
-    ("scheduling: plan the next step (Scheduler.lookahead)", "scheduler", "lookahead"),
-    ("input preparation (prepare_decode)", "model_runner_module", "prepare_decode"),
+    ("scheduling: plan the next step (plan_lookahead)", "engine_module", "plan_lookahead"),
+    ("input preparation (BatchBuilder.build)", "builder", "build"),
     ("graph replay: fill the pinned buffer, copy, launch", "graphs", "replay"),
     ("  of which cudaGraphLaunch (the driver)", "cuda_graph_class", "replay"),
     ("logits launch (lm_head)", "model", "compute_logits"),
-    ("sampler launch", "model_runner", "sampler"),
+    ("sampler launch", "runner", "sampler"),
     ("bookkeeping: tokens into sequences, stop rules (postprocess)", "scheduler", "postprocess"),
+    ("outputs (OutputProcessor.process)", "outputs", "process"),
 ]
 
 
 def host_breakdown(engine, steps: int) -> None:
     "Time each phase of the host's work per decode step by wrapping the methods that do it (wall-clock, no profiler)."
-    import minivllm.engine.model_runner as mr
-    owners = dict(scheduler=engine.scheduler, model_runner=engine.model_runner, model_runner_module=mr,
-                  graphs=engine.model_runner.graphs, cuda_graph_class=torch.cuda.CUDAGraph,
-                  model=engine.model_runner.model)
+    import minivllm.engine.llm_engine as engine_module
+    runner = engine.executor.runner
+    owners = dict(scheduler=engine.scheduler, runner=runner, engine_module=engine_module, builder=engine.builder,
+                  graphs=runner.graphs, cuda_graph_class=torch.cuda.CUDAGraph, model=runner.model,
+                  outputs=engine.outputs)
     totals, originals = {}, []
     for label, owner_name, attr in PHASES:
         owner = owners[owner_name]
@@ -53,11 +55,10 @@ def host_breakdown(engine, steps: int) -> None:
                 totals[_label] += time.perf_counter() - t0
         originals.append((owner, attr, attr in vars(owner), vars(owner).get(attr)))
         setattr(owner, attr, timed)
-    waits, start = [], time.perf_counter()
+    trace, start = engine.start_trace(), time.perf_counter()
     for _ in range(steps):
         engine.step()
-        waits.append(engine.model_runner.last_wait_s)
-    wall = time.perf_counter() - start
+    wall, waits, engine.trace = time.perf_counter() - start, [r.wait for r in trace], None
     for owner, attr, own, original in reversed(originals):
         if own:
             setattr(owner, attr, original)
@@ -108,12 +109,11 @@ def main() -> None:
     for _ in range(4):  # warm decode
         engine.step()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    waits = []
+    trace, start = engine.start_trace(), time.perf_counter()
     for _ in range(args.steps):
         engine.step()
-        waits.append(engine.model_runner.last_wait_s)
     torch.cuda.synchronize()
+    waits, engine.trace = [r.wait for r in trace], None
     wall = (time.perf_counter() - start) / args.steps
     print(f"decode at batch {len(engine.scheduler.running)}: {wall * 1e3:.2f} ms/step wall, "
           f"host {(wall - sum(waits) / len(waits)) * 1e3:.2f} ms/step (wall minus the wait for the GPU)")
