@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator, Sequence as SequenceABC
 from numbers import Integral
 
