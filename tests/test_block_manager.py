@@ -1,6 +1,7 @@
 """Tests of minivllm.engine.block_manager: block counts, ref counts, prefix cache, free-list order, accounting."""
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 
 import numpy as np
@@ -10,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minivllm.engine.block_manager as bm_module
-from minivllm.engine.block_manager import Block, BlockManager, FreeBlockQueue, PrefixMatch, compute_block_hash
+from minivllm.engine.block_manager import (Block, BlockManager, FreeBlockQueue, PrefixMatch, compute_block_hash,
+                                           hash_block_bytes)
 from minivllm.engine.sequence import Sequence
 
 
@@ -47,10 +49,12 @@ def hits(bm: BlockManager, seq: Sequence) -> int:
 
 
 def chained_hashes(seq: Sequence, num_blocks: int) -> list[int]:
-    "The chained hashes of the first `num_blocks` full blocks, computed here without the block manager."
+    """The chained hashes of the first `num_blocks` full blocks, computed here from their definition (xxh64 of the
+    previous hash's 8 bytes, if any, and the block's ids as int64), without the block manager's functions."""
     out: list[int] = []
     for i in range(num_blocks):
-        out.append(compute_block_hash(seq.block(i), out[-1] if out else -1))
+        prefix = out[-1].to_bytes(8, "little") if out else b""
+        out.append(xxhash.xxh64_intdigest(prefix + np.array(seq.block(i), dtype=np.int64).tobytes()))
     return out
 
 
@@ -174,7 +178,7 @@ def test_the_hash_is_chained_a_block_after_a_different_prefix_misses():
 
 
 def test_hash_collision_is_caught_by_the_token_check(monkeypatch):
-    monkeypatch.setattr(bm_module, "compute_block_hash", lambda token_ids, prefix_hash=-1: 42)
+    monkeypatch.setattr(bm_module, "hash_block_bytes", lambda data, prefix_hash=-1: 42)
     bm = BlockManager(16, block_size=4)
     a = seq_of([1, 2, 3, 4, 5])
     admit(bm, a)
@@ -254,11 +258,11 @@ def test_match_prefix_is_read_only():
 def test_block_hashes_are_computed_once_per_block_and_survive_free(monkeypatch):
     calls = []
 
-    def counting(token_ids, prefix_hash=-1):
-        calls.append(list(token_ids))
-        return compute_block_hash(token_ids, prefix_hash)
+    def counting(data, prefix_hash=-1):
+        calls.append(list(array("q", data)))
+        return hash_block_bytes(data, prefix_hash)
 
-    monkeypatch.setattr(bm_module, "compute_block_hash", counting)
+    monkeypatch.setattr(bm_module, "hash_block_bytes", counting)
     bm = BlockManager(16, block_size=4)
     a = seq_of(range(14))
     m = bm.match_prefix(a)                                # full blocks before the last token: 3

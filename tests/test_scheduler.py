@@ -8,6 +8,7 @@ through the block tables, and never writes into a shared or cached block.
 from __future__ import annotations
 
 import math
+from array import array
 from collections import Counter
 
 import numpy as np
@@ -17,7 +18,6 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import minivllm.engine.block_manager as bm_module
-from minivllm.engine.block_manager import compute_block_hash
 from minivllm.engine.lookahead import plan_lookahead
 from minivllm.engine.scheduler import POLICIES, Scheduler, StepPlan, check_stop
 from minivllm.engine.sequence import Sequence, SequenceStatus
@@ -325,13 +325,16 @@ def test_a_lone_sequence_that_cannot_grow_raises_instead_of_hanging():
 
 
 def test_block_hashes_survive_preemption_and_are_not_recomputed(monkeypatch):
-    calls = []
+    calls, hash_bytes = [], bm_module.hash_block_bytes
 
-    def counting(token_ids, prefix_hash=-1):
-        calls.append((tuple(token_ids), prefix_hash))
-        return compute_block_hash(token_ids, prefix_hash)
+    def counting(data, prefix_hash=-1):
+        calls.append((tuple(array("q", data)), prefix_hash))
+        return hash_bytes(data, prefix_hash)
 
-    monkeypatch.setattr(bm_module, "compute_block_hash", counting)
+    def compute_block_hash(token_ids, prefix_hash=-1):   # the definition, without counting
+        return hash_bytes(array("q", token_ids).tobytes(), prefix_hash)
+
+    monkeypatch.setattr(bm_module, "hash_block_bytes", counting)
     sched = Scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32)
     a, b, c = (make(sched, range(100 * i, 100 * i + 8), max_tokens=8, ignore_eos=True) for i in range(3))
     for s in (a, b, c):

@@ -557,8 +557,10 @@ def test_gpu_ctrl_c_interrupts_and_the_engine_goes_on(tmp_path):
 def test_gpu_torchrun_rank_that_fails_ends_rank_0_with_its_error(tmp_path):
     folder = random_qwen3_0_6b()
     body = f"""
+        import faulthandler, signal
         from minivllm import LLM, SamplingParams
         if __name__ == "__main__":
+            faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)   # where a rank was, if torchrun ends it
             llm = LLM({folder!r}, skip_tokenizer_init=True, tensor_parallel_size=2, **{GPU_ENGINE!r})
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
             print("rank 0 finished")

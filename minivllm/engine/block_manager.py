@@ -14,7 +14,7 @@ from fastcore.basics import patch
 from .sequence import Sequence
 
 # %% auto #0
-__all__ = ['Block', 'FreeBlockQueue', 'compute_block_hash', 'BlockManager', 'PrefixMatch']
+__all__ = ['Block', 'FreeBlockQueue', 'hash_block_bytes', 'compute_block_hash', 'BlockManager', 'PrefixMatch']
 
 # %% ../../notebooks/02_block_manager.ipynb #936cb4bf
 class Block:
@@ -63,10 +63,15 @@ class FreeBlockQueue:
         del self._ids[block_id]
 
 # %% ../../notebooks/02_block_manager.ipynb #d52de56a
+def hash_block_bytes(data: bytes, prefix_hash: int = -1) -> int:
+    "xxh64 of the previous block's hash (if any) and a block's token ids, given as int64 bytes."
+    prefix = prefix_hash.to_bytes(8, "little") if prefix_hash != -1 else b""
+    return xxhash.xxh64_intdigest(prefix + data)
+
+
 def compute_block_hash(token_ids: list[int], prefix_hash: int = -1) -> int:
     "Chained hash of one full block: xxh64 of the previous block's hash (if any) and the block's token ids."
-    prefix = prefix_hash.to_bytes(8, "little") if prefix_hash != -1 else b""
-    return xxhash.xxh64_intdigest(prefix + array("q", token_ids).tobytes())   # the ids as int64 bytes
+    return hash_block_bytes(array("q", token_ids).tobytes(), prefix_hash)   # the ids as int64 bytes
 
 # %% ../../notebooks/02_block_manager.ipynb #ffb6ae52
 class BlockManager:
@@ -108,9 +113,11 @@ class PrefixMatch(NamedTuple):
 @patch
 def block_hashes(self: BlockManager, seq: Sequence, num_blocks: int) -> list[int]:
     "The chained hashes of the sequence's first `num_blocks` full blocks (computed once each, kept on the sequence)."
-    hashes = seq.block_hashes
-    for i in range(len(hashes), min(num_blocks, seq.num_full_blocks)):
-        hashes.append(compute_block_hash(seq.block(i), hashes[-1] if hashes else -1))
+    hashes, bs = seq.block_hashes, self.block_size
+    start, end = len(hashes), min(num_blocks, seq.num_full_blocks)
+    data, width = array("q", seq.token_ids[start * bs:end * bs]).tobytes(), 8 * bs   # the new blocks, in one call
+    for offset in range(0, len(data), width):   # = compute_block_hash(seq.block(i), previous hash), block by block
+        hashes.append(hash_block_bytes(data[offset:offset + width], hashes[-1] if hashes else -1))
     return hashes
 
 
@@ -119,14 +126,15 @@ def match_prefix(self: BlockManager, seq: Sequence) -> PrefixMatch:
     "The sequence's leading full blocks found in the prefix cache, leaving at least one token to compute."
     if not self.enable_prefix_caching:
         return PrefixMatch([], 0, None)
-    num_full = (seq.num_tokens - 1) // self.block_size   # the last token is always computed: its logits are needed
+    bs, tokens = self.block_size, seq.token_ids
+    num_full = (seq.num_tokens - 1) // bs   # the last token is always computed: its logits are needed
     hashes, hits = self.block_hashes(seq, num_full), []
     for i, h in enumerate(hashes[:num_full]):
         block_id = self.hash_to_block_id.get(h)
-        if block_id is None or self.blocks[block_id].token_ids != seq.block(i):   # (a hash collision is a miss)
-            return PrefixMatch(hits, len(hits) * self.block_size, h)
+        if block_id is None or self.blocks[block_id].token_ids != tokens[i * bs:(i + 1) * bs]:   # (a collision: a miss)
+            return PrefixMatch(hits, len(hits) * bs, h)
         hits.append(block_id)
-    return PrefixMatch(hits, len(hits) * self.block_size, None)
+    return PrefixMatch(hits, len(hits) * bs, None)
 
 # %% ../../notebooks/02_block_manager.ipynb #34b2e3e0
 @patch
