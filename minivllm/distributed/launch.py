@@ -18,7 +18,6 @@ COMM_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",     # on a NCCL error, abort the communicator but never kill the process
 }
 IDLE_TIMEOUT = timedelta(days=365)   # ranks wait for the next step as long as the engine lives
-TORCHRUN_DEVICE_TIMEOUT = timedelta(seconds=60)   # under torchrun: NCCL's watchdog aborts a collective stuck this long
 
 
 def set_comm_env() -> None:
@@ -27,8 +26,8 @@ def set_comm_env() -> None:
         os.environ.setdefault(name, value)
 
 # %% auto #0
-__all__ = ['COMM_ENV', 'IDLE_TIMEOUT', 'TORCHRUN_DEVICE_TIMEOUT', 'set_comm_env', 'TorchrunEnv', 'torchrun_env', 'master_store',
-           'torchrun_store', 'join_group', 'leave_group']
+__all__ = ['COMM_ENV', 'IDLE_TIMEOUT', 'set_comm_env', 'TorchrunEnv', 'torchrun_env', 'master_store', 'torchrun_store',
+           'join_group', 'leave_group']
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #7a9624e4
 @dataclass(frozen=True)
@@ -56,18 +55,15 @@ def torchrun_store() -> dist.Store:
                                                        is_master=False, timeout=timedelta(seconds=60)))
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #eeeb9df0
-def join_group(rank: int, size: int, device: torch.device, store: dist.Store | None = None,
-               device_timeout: timedelta | None = None) -> TPGroup:
-    """Join an engine's group: gloo for the host arrays; between GPUs an NCCL group made now (no half-made
-    communicator), whose stuck collectives NCCL's watchdog aborts after `device_timeout` (torch's default: 10 min)."""
+def join_group(rank: int, size: int, device: torch.device, store: dist.Store | None = None) -> TPGroup:
+    "Join an engine's group: gloo for the host arrays; between GPUs an NCCL group made now (no half-made communicator)."
     if not dist.is_initialized():
         where = dict(store=store) if store is not None else dict(init_method="env://")
         dist.init_process_group("gloo", rank=rank, world_size=size, timeout=IDLE_TIMEOUT, **where)
         control = dist.group.WORLD
     else:   # torchrun, and the script made its own world: a gloo group of our own beside it
         control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    timeout = dict(timeout=device_timeout) if device_timeout else {}
-    device_group = dist.new_group(backend="nccl", device_id=device, **timeout) if device.type == "cuda" else control
+    device_group = dist.new_group(backend="nccl", device_id=device) if device.type == "cuda" else control
     return TPGroup(rank, size, device_group, control)
 
 

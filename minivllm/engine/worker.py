@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..distributed.launch import TORCHRUN_DEVICE_TIMEOUT, join_group, leave_group, torchrun_store
+from ..distributed.launch import join_group, leave_group, torchrun_store
 from ..distributed.parallel_state import TPGroup
 from ..distributed.step_broadcast import recv_step, send_step, send_stop
 from .executor import Executor
@@ -162,8 +162,8 @@ def run_worker(config: Config, rank: int, store_port: int, status: Connection, r
 # %% ../../notebooks/12_tensor_parallel.ipynb #fae2e5c7
 class FailureWatch:
     """Under torchrun, a thread that finds a failed rank's report in torchrun's store and acknowledges it. Rank 0 waits
-    for the device by polling, so it sees the report and raises. (A rank 0 stuck launching kernels behind a collective
-    that will never end holds the interpreter: NCCL's watchdog aborts that collective after TORCHRUN_DEVICE_TIMEOUT.)"""
+    for the device by polling (never blocked in a collective), so it sees the report and raises; torchrun ends the
+    ranks once the failed one exits (aborting NCCL here could block the thread that has to raise the error)."""
 
     def __init__(self, store: dist.Store):
         self.store, self.report, self.stopped = store, None, False
@@ -198,7 +198,7 @@ def report_failure(store: dist.Store, tp: TPGroup, error: BaseException) -> None
     store.set("failure", f"tensor-parallel worker rank {tp.rank} failed: {type(error).__name__}: {error}\n\n"
                          f"--- traceback of rank {tp.rank} ---\n{traceback.format_exc()}")
     with contextlib.suppress(Exception):   # rank 0 never read it: torchrun ends every rank anyway once this one exits
-        store.wait(["failure_seen"], TORCHRUN_DEVICE_TIMEOUT + timedelta(seconds=30))
+        store.wait(["failure_seen"], timedelta(seconds=10))
         if tp.device_group is not tp.control_group:
             tp.device_group.abort()
         dist.destroy_process_group()
@@ -214,8 +214,7 @@ def torchrun_rank(config: Config, launched) -> TPExecutor:
     device = torch.device("cuda", launched.local_rank) if config.device == "cuda" else torch.device("cpu")
     torch.cuda.set_device(device) if device.type == "cuda" else torch.set_num_threads(
         cpu_threads_per_rank(launched.world_size))
-    tp = join_group(launched.rank, launched.world_size, device, device_timeout=TORCHRUN_DEVICE_TIMEOUT)
-    store, hook = torchrun_store(), failure_hook(launched.rank)
+    tp, store, hook = join_group(launched.rank, launched.world_size, device), torchrun_store(), failure_hook(launched.rank)
     if launched.rank == 0:
         return TPExecutor(config, ModelRunner(config, launched.local_rank, tp), tp, FailureWatch(store))
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is rank 0's to handle
