@@ -3,6 +3,7 @@
 # %% ../notebooks/09_model_runner.ipynb #8fcc2ba3
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -19,7 +20,7 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 # %% auto #0
-__all__ = ['resolve_device', 'resolve_dtype', 'check_types', 'check_sizes', 'Config']
+__all__ = ['resolve_device', 'resolve_dtype', 'check_types', 'check_sizes', 'Config', 'takes_engine_arguments']
 
 # %% ../notebooks/09_model_runner.ipynb #0d0c6da5
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -154,3 +155,13 @@ class Config:
         ids = json.load(open(path)).get("eos_token_id") if os.path.isfile(path) else None
         ids = self.hf_config.eos_token_id if ids is None else ids
         return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+
+# %% ../notebooks/09_model_runner.ipynb #3c4dc650
+def takes_engine_arguments(init):
+    "Show Config's fields as the keyword arguments of `init`, which passes its **kwargs on to Config (help, Shift-Tab)."
+    sig = inspect.signature(init)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+               for f in fields(Config) if f.name not in ("model", "hf_config")]
+    init.__signature__ = sig.replace(parameters=params)
+    return init

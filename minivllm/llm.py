@@ -10,6 +10,7 @@ from numbers import Integral
 from fastcore.basics import patch
 from tqdm.auto import tqdm
 
+from .config import takes_engine_arguments
 from .engine.llm_engine import LLMEngine, PromptType
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -63,6 +64,7 @@ class Progress:
 class LLM:
     "vLLM's offline entry point: `LLM(model).generate(prompts, sampling_params)`."
 
+    @takes_engine_arguments
     def __init__(self, model: str, **kwargs):
         self.llm_engine = LLMEngine(model, **kwargs)
 

@@ -6,6 +6,7 @@ module and generates; the drawing modules stay importable where the course's lib
 """
 from __future__ import annotations
 
+import pathlib
 import pkgutil
 import subprocess
 import sys
@@ -61,3 +62,38 @@ def test_star_import_gives_the_public_api():
     namespace: dict = {}
     exec("from minivllm import *", namespace)
     assert {"LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TINY_MODEL_PATH"} <= set(namespace)
+
+
+@pytest.mark.timeout(240)
+def test_the_wheel_holds_what_an_install_needs(tmp_path):
+    """A wheel built from the repository: its version is minivllm.__version__ (the one source), and it carries the
+    license, the typing marker, the tiny model and the `minivllm` command."""
+    import zipfile
+    root = pathlib.Path(minivllm.__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                          str(tmp_path), str(root)], capture_output=True, text=True, timeout=220)
+    assert run.returncode == 0, run.stderr[-3000:]
+    wheel, = tmp_path.glob("minivllm-*.whl")
+    assert wheel.name.startswith(f"minivllm-{minivllm.__version__}-")
+    names = zipfile.ZipFile(wheel).namelist()
+    info = f"minivllm-{minivllm.__version__}.dist-info"
+    assert {"minivllm/py.typed", f"{info}/licenses/LICENSE", "minivllm/data/tiny-qwen3/config.json"} <= set(names)
+    meta = zipfile.ZipFile(wheel).read(f"{info}/METADATA").decode()
+    assert "License-Expression: Apache-2.0" in meta and f"Version: {minivllm.__version__}" in meta
+    assert "minivllm = minivllm.__main__:main" in zipfile.ZipFile(wheel).read(f"{info}/entry_points.txt").decode()
+
+
+def test_llm_and_llm_engine_show_the_engine_arguments():
+    "help(LLM), Shift-Tab and inspect see Config's fields with their defaults, not a bare **kwargs."
+    import dataclasses
+    import inspect
+
+    from minivllm.config import Config
+    from minivllm.engine.llm_engine import LLMEngine
+    expected = {f.name: f.default for f in dataclasses.fields(Config) if f.name not in ("model", "hf_config")}
+    for cls in (minivllm.LLM, LLMEngine):
+        params = inspect.signature(cls).parameters
+        assert list(params)[0] == "model" and params["model"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        assert {n: p.default for n, p in params.items() if n != "model"} == expected
+        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for n, p in params.items() if n != "model")
+    assert "max_num_seqs: 'int' = 256" in str(inspect.signature(minivllm.LLM))

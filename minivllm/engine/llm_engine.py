@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from fastcore.basics import patch
 
-from ..config import Config
+from ..config import Config, takes_engine_arguments
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from .batch_builder import BatchBuilder
@@ -54,6 +54,7 @@ __all__ = ['EngineStats', 'InFlightStep', 'make_executor', 'LLMEngine']
 class LLMEngine:
     "Requests in, `RequestOutput`s out: the scheduler, the executor and the output processor, stepped together."
 
+    @takes_engine_arguments
     def __init__(self, model: str, **kwargs):
         self.config = c = Config.from_kwargs(model, **kwargs)
         self.tokenizer = None if c.skip_tokenizer_init else load_tokenizer(c.model, c.hf_config.vocab_size)
