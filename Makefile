@@ -51,7 +51,7 @@ demo: venv
 
 ## make lab: JupyterLab on the course, with the venv's kernel
 lab: venv
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build

@@ -1,0 +1,42 @@
+"""The course's links: every relative link in a notebook's markdown (and in the glossary) points at a file of the
+repository, and every link into the glossary at one of its entries."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    "GitHub's anchor for a heading: lower case, punctuation dropped, spaces as dashes."
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def markdown_of(path: Path) -> str:
+    "The markdown of a notebook (or a .md file), without code: fenced blocks and inline code spans."
+    text = path.read_text() if path.suffix == ".md" else "\n".join(
+        "".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown")
+    return re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", text, flags=re.S))
+
+
+def test_relative_links_resolve_and_glossary_anchors_exist():
+    glossary = NOTEBOOKS / "glossary.md"
+    anchors = {slug(line.lstrip("#")) for line in glossary.read_text().splitlines() if line.startswith("### ")}
+    assert {"sm", "warp", "hbm", "gemm", "tf32", "pinned-memory"} <= anchors
+    broken, linked = [], set()
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")) + [glossary]:
+        for target in LINK.findall(markdown_of(path)):
+            if target.startswith(("http://", "https://", "#", "mailto:")):
+                continue
+            file, _, anchor = target.partition("#")
+            if not (path.parent / file).exists():
+                broken.append(f"{path.name}: {target}")
+            elif Path(file).name == "glossary.md":
+                linked.add(anchor)
+                if anchor not in anchors:
+                    broken.append(f"{path.name}: {target} (no such glossary entry)")
+    assert not broken, broken
+    assert len(linked) >= 20   # the terms are linked where they first appear
