@@ -3,6 +3,9 @@
 # %% ../../notebooks/12_tensor_parallel.ipynb #64b8264d
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -16,6 +19,16 @@ HEADER_WORDS = 9   # command, payload bytes, then the step's own header (7 words
 def send_step(header: list[int], payload: np.ndarray, tp: TPGroup) -> None:
     dist.broadcast(torch.tensor([STEP, len(payload), *header], dtype=torch.int64), group=tp.control_group, group_src=0)
     dist.broadcast(torch.from_numpy(payload), group=tp.control_group, group_src=0)
+
+
+def confirm_step(tp: TPGroup, check: Callable[[], None] | None = None) -> None:
+    """Every rank, under torchrun: meet at a gloo barrier once the step has arrived, before any device work on it.
+    Rank 0 calls `check` while it waits (it raises a failed rank's report: the barrier itself may never end)."""
+    work = dist.barrier(group=tp.control_group, async_op=True)
+    while check is not None and not work.is_completed():
+        check()
+        time.sleep(1e-4)
+    work.wait()
 
 
 def send_stop(tp: TPGroup) -> None:
@@ -34,4 +47,4 @@ def recv_step(tp: TPGroup) -> tuple[list[int], np.ndarray] | None:
     return header, payload.numpy()
 
 # %% auto #0
-__all__ = ['STOP', 'STEP', 'HEADER_WORDS', 'send_step', 'send_stop', 'recv_step']
+__all__ = ['STOP', 'STEP', 'HEADER_WORDS', 'send_step', 'confirm_step', 'send_stop', 'recv_step']

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..config import Config
 from ..distributed.launch import join_group, leave_group, torchrun_store
 from ..distributed.parallel_state import TPGroup
-from ..distributed.step_broadcast import recv_step, send_step, send_stop
+from ..distributed.step_broadcast import confirm_step, recv_step, send_step, send_stop
 from .executor import Executor
 from .model_runner import ModelRunner, StepHandle
 from .step_inputs import StepInputs
@@ -59,6 +59,8 @@ class TPExecutor(Executor):
         self._check()
         try:
             send_step(step.header(), step.pack(), self.tp)
+            if self.failure is not None:   # torchrun: every rank took the step before any device runs it
+                confirm_step(self.tp, self._check)
             handle = self.runner.execute(step)
         except RuntimeError:   # a collective failed (on a CPU, the step runs here): the failed rank says why
             self._check(wait=15.0)
@@ -90,10 +92,12 @@ class TPExecutor(Executor):
         leave_group(self.tp)
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #f14e76a3
-def follow(runner: ModelRunner, tp: TPGroup, hook: str | None = None) -> None:
-    "Ranks >= 1: run each step rank 0 sends, the same way rank 0 does, until it says stop."
+def follow(runner: ModelRunner, tp: TPGroup, hook: str | None = None, confirm: bool = False) -> None:
+    "Ranks >= 1: run each step rank 0 sends, the same way rank 0 does, until it says stop (`confirm`: torchrun's)."
     while (message := recv_step(tp)) is not None:
         inject_failure(tp.rank, "step", hook)
+        if confirm:
+            confirm_step(tp)
         runner.execute(StepInputs.unpack(*message))
 
 
@@ -161,9 +165,9 @@ def run_worker(config: Config, rank: int, store_port: int, status: Connection, r
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #fae2e5c7
 class FailureWatch:
-    """Under torchrun, a thread that finds a failed rank's report in torchrun's store and acknowledges it. Rank 0 waits
-    for the device by polling (never blocked in a collective), so it sees the report and raises; torchrun ends the
-    ranks once the failed one exits (aborting NCCL here could block the thread that has to raise the error)."""
+    """Under torchrun, a thread that finds a failed rank's report in torchrun's store and acknowledges it. Rank 0 meets
+    the others at a barrier before each step's device work and waits for the device by polling, so it sees the report
+    and raises; torchrun ends the ranks once the failed one exits."""
 
     def __init__(self, store: dist.Store):
         self.store, self.report, self.stopped = store, None, False
@@ -221,7 +225,7 @@ def torchrun_rank(config: Config, launched) -> TPExecutor:
     try:
         inject_failure(launched.rank, "load", hook)
         runner = ModelRunner(config, launched.local_rank, tp)
-        follow(runner, tp, hook)
+        follow(runner, tp, hook, confirm=True)
         runner.close()
         leave_group(tp)
     except BaseException as e:
