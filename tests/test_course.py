@@ -40,3 +40,15 @@ def test_relative_links_resolve_and_glossary_anchors_exist():
                     broken.append(f"{path.name}: {target} (no such glossary entry)")
     assert not broken, broken
     assert len(linked) >= 20   # the terms are linked where they first appear
+
+
+def test_players_show_their_controls_before_the_kernel_runs():
+    "Every widget a notebook displays has its state stored in the notebook (JupyterLab draws it before any run)."
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        nb = json.loads(path.read_text())
+        views = [o["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
+                 for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])
+                 if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+        state = nb["metadata"].get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+        missing = [view for view in views if view not in state]
+        assert not missing, f"{path.name}: widget views without stored state: {missing}"

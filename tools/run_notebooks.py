@@ -36,6 +36,7 @@ def run_notebook(path: Path, timeout: int = 1800, gpu: bool | None = None) -> No
                 continue
             client.execute_cell(cell, index, execution_count=count + 1)
             count += 1
+        client.set_widgets_metadata()   # the widgets' state, so a player shows its controls before the kernel runs
     nbformat.write(nb, path)
     print(f"ran {path} ({count} cells)")
 
