@@ -497,6 +497,22 @@ def test_abort_while_running(llm, expected, abort_after):
     assert_clean(engine)
 
 
+def test_abort_takes_one_id_or_a_list(llm, expected):
+    "vLLM's abort_request takes a request id or a list of them; ids that are unknown or already ended are ignored."
+    engine = llm.llm_engine
+    keep = engine.add_request(GOOD[0], GREEDY)
+    victims = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=20)) for p in ([1, 2, 3], [4, 5], [6])]
+    engine.step()
+    engine.abort_request(victims[:2] + ["no such request", victims[0]])
+    engine.abort_request(victims[2])
+    assert not set(victims) & set(engine.requests) and keep in engine.requests
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert list(done) == [keep] and done[keep].outputs[0].token_ids == expected[0]
+    assert_clean(engine)
+
+
 @pytest.mark.parametrize("stop", [[")\n"], ["getn", ")\n"], ["\n    f"], None])
 def test_stream_never_shows_part_of_a_stop_string(llm, stop):
     "A stop string cut across tokens: the stream holds back its start, so the deltas add up to generate's text."

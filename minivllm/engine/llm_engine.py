@@ -112,10 +112,9 @@ def _add(self: LLMEngine, text: str | None, ids: list[int], params: SamplingPara
 
 
 @patch
-def abort_request(self: LLMEngine, request_id: str) -> None:
-    "End a request wherever it is; its blocks return to the free list."
-    req = self.requests.get(request_id)
-    if req is not None:
+def abort_request(self: LLMEngine, request_id: str | list[str]) -> None:
+    "End a request (or each of a list, as vLLM takes them) wherever it is; its blocks return to the free list."
+    for req in filter(None, map(self.requests.get, [request_id] if isinstance(request_id, str) else request_id)):
         self.outputs.remove(req)
         self._release(req)
         self.scheduler.abort(req.seq)
