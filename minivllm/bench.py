@@ -120,13 +120,13 @@ def _sync() -> None:
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #e13fafe6
 def run_minivllm(model: str, prompts: list[list[int]], output_lens: list[int], workload: str = "standard",
                  temperature: float = 0.0, trace: bool = True, **engine_kwargs) -> tuple[BenchResult, list]:
-    "Time `LLM.generate` on the workload (after a short warm-up); return the result and the per-step trace."
+    "Time `LLM.generate` on the workload, warmed up on its first prompts with each token + 1 (no cache hits), + trace."
     from minivllm.llm import LLM
     from minivllm.sampling_params import SamplingParams
     engine_kwargs.setdefault("skip_tokenizer_init", not os.path.isfile(os.path.join(model, "tokenizer.json")))
     llm = LLM(model, **engine_kwargs)
     try:
-        warm = [p[:128] for p in prompts[:8]]
+        warm = [[(t + 1) % llm.llm_engine.config.hf_config.vocab_size for t in p] for p in prompts[:8]]
         llm.generate(warm, SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True), use_tqdm=False)
         params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in output_lens]
         _sync()

@@ -12,6 +12,7 @@ the softmax weights and the output to bfloat16).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -229,15 +230,15 @@ def test_plan_decode_worked_examples():
     assert (plain.num_splits, plain.prefix_parts, plain.group_pad, plain.q_tiles) == (1, 0, 2, 4)
     assert plain.num_parts == 1 and not plain.use_splits                 # one part: written straight to out
     # cascade: the prefix kernel has 8 KV heads x 4 tiles = 32 programs; ceil(132 / 32) = 5 pieces of the prefix
-    # fill the SMs, and the merge then sees 5 prefix parts + 1 split
+    # fill the SMs; the own part is not split, so the decode kernel folds the 5 prefix parts in itself: no merge
     cascade = plan_decode(256, 16, 8, 1024, 132, cascade=True)
     assert (cascade.num_splits, cascade.prefix_parts, cascade.q_tiles) == (1, 5, 4)
-    assert cascade.num_parts == 6 and cascade.use_splits
+    assert cascade.num_parts == 6 and cascade.fold_prefix and not cascade.use_splits
     # one sequence of 8192: 8 programs want ceil(528 / 8) = 66 splits, but 8192 / 64 = 128 tiles allow only 32 splits
     # of 4 tiles; the prefix kernel's 8 x 1 programs want ceil(132 / 8) = 17 pieces, capped at 16
     long = plan_decode(1, 16, 8, 8192, 132, cascade=True)
     assert (long.num_splits, long.prefix_parts, long.q_tiles) == (32, MAX_PREFIX_SPLITS, 1) and MAX_PREFIX_SPLITS == 16
-    assert long.num_parts == 48 and long.use_splits
+    assert long.num_parts == 48 and long.use_splits and not long.fold_prefix   # 32 splits: the merge kernel
     forced = plan_decode(1, 16, 8, 8192, 132, num_splits=1)             # a caller's num_splits wins (CUDA graphs)
     assert (forced.num_splits, forced.prefix_parts, forced.num_parts, forced.use_splits) == (1, 0, 1, False)
     forced3 = plan_decode(1, 16, 8, 64, 132, num_splits=3)
@@ -287,8 +288,9 @@ def test_plan_decode_invariants(batch, num_kv_heads, group, max_context, sms, ca
     else:
         assert plan.prefix_parts == 0
     assert plan.num_parts == plan.prefix_parts + plan.num_splits
-    assert plan.use_splits == (plan.num_parts > 1)
-    assert plan.use_splits or (not cascade and plan.num_splits == 1)   # a cascade always merges
+    assert plan.fold_prefix == (cascade and plan.num_splits == 1)   # an unsplit own part folds the prefix in
+    assert plan.use_splits == (plan.num_parts > 1 and not plan.fold_prefix)
+    assert plan.use_splits or plan.fold_prefix or plan.num_parts == 1   # every part is merged or folded
 
 
 def test_plan_prefill_worked_examples():
@@ -462,8 +464,8 @@ def test_cascade_with_padding_rows_and_empty_prefix():
     lens = ctx.context_lens.clone()
     lens[2] = 0
     want = ref(q, kc, vc, ctx, 0.5)
-    for prefix in (8, 0):
-        out = paged_decode_attention(q, kc, vc, lens, ctx.block_tables, 0.5, num_splits=2, block_n=16,
+    for prefix, splits in itertools.product((8, 0), (1, 2)):   # 1: the prefix folded in, 2: merged
+        out = paged_decode_attention(q, kc, vc, lens, ctx.block_tables, 0.5, num_splits=splits, block_n=16,
                                      shared_prefix_len=torch.tensor([prefix], dtype=torch.int32, device=DEVICE))
         torch.testing.assert_close(out[:2], want[:2], **CPU_TOL)
         assert torch.equal(out[2], torch.zeros_like(out[2]))

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from .common import online_softmax_update
 
-CASCADE_MIN_PREFIX = 256     # tokens: a shorter shared prefix is not worth two more kernels per layer
+CASCADE_MIN_PREFIX = 256     # tokens: a shorter shared prefix is not worth another kernel per layer
 CASCADE_MIN_SAVED = 196608   # tokens of K/V per KV head that the cascade saves reading, (batch - 1) x prefix
 
 
@@ -23,7 +23,7 @@ def shared_prefix_len(block_tables: np.ndarray, context_lens: np.ndarray, block_
 
 
 def use_cascade(batch: int, prefix_len: int) -> bool:
-    "Whether reading a shared prefix once (two more kernels per layer) beats every sequence reading it."
+    "Whether reading a shared prefix once (another kernel per layer) beats every sequence reading it."
     return prefix_len >= CASCADE_MIN_PREFIX and (batch - 1) * prefix_len >= CASCADE_MIN_SAVED
 
 
@@ -72,9 +72,6 @@ def _shared_prefix_kernel(
     tile_end = tl.minimum(tile_start + per_chunk, num_tiles)
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
-    if tile_start >= tile_end:
-        tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=real)
-        return
     q = tl.load(q_ptr + seq[:, None] * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     if DOT_FP32:
@@ -96,6 +93,7 @@ def _shared_prefix_kernel(
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_M, BLOCK_N]: many sequences at once
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
-    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None],
-             mask=row_mask[:, None] & dim_mask[None, :])
-    tl.store(part_lse_ptr + part, tl.where(row_mask, m_i + tl.log2(l_i), float("-inf")), mask=real)
+    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc / tl.where(l_i > 0, l_i, 1.0)[:, None],
+             mask=row_mask[:, None] & dim_mask[None, :])   # a piece past the prefix's end: zeros, lse -inf
+    tl.store(part_lse_ptr + part, tl.where(row_mask, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf")),
+             mask=real)

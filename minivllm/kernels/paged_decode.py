@@ -27,7 +27,7 @@ def _paged_decode_kernel(
         stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok, stride_v_head, stride_bt,
         NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_SPLITS: tl.constexpr,
-        CASCADE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+        CASCADE: tl.constexpr, FOLD_PREFIX: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     kv_start = 0
@@ -43,14 +43,6 @@ def _paged_decode_kernel(
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
     part = (seq * NUM_Q_HEADS + heads) * num_parts + (num_parts - num_splits) + split   # this split's partial slot
-    if tile_start >= tile_end:                  # nothing to read: an empty split, or an empty (padding) sequence
-        if USE_SPLITS:
-            tl.store(part_lse_ptr + part, tl.full([GROUP_PAD], float("-inf"), tl.float32), mask=row_mask)
-        else:
-            tl.store(out_ptr + seq * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
-                     tl.zeros([GROUP_PAD, DIM_PAD], tl.float32).to(out_ptr.dtype.element_ty),
-                     mask=row_mask[:, None] & dim_mask[None, :])
-        return
     q = tl.load(q_ptr + seq * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     if DOT_FP32:
@@ -72,11 +64,13 @@ def _paged_decode_kernel(
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale   # [GROUP_PAD, BLOCK_N], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
-    out = acc / l_i[:, None]
+    if FOLD_PREFIX:   # the shared prefix's pieces, finished by the kernel launched before: no merge kernel (cascade)
+        m_i, l_i, acc = _fold_parts(m_i, l_i, acc, part_out_ptr, part_lse_ptr, (seq * NUM_Q_HEADS + heads) * num_parts,
+                                    num_parts - 1, dims, row_mask, HEAD_DIM)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # nothing read (an empty split, a padding row): 0, lse -inf
     if USE_SPLITS:
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out,
-                 mask=row_mask[:, None] & dim_mask[None, :])
-        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None] & dim_mask[None, :])
+        tl.store(part_lse_ptr + part, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), mask=row_mask)   # -inf if empty
     else:
         tl.store(out_ptr + seq * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
@@ -98,6 +92,20 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, num_splits, stride
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
+
+
+@triton.jit
+def _fold_parts(m_i, l_i, acc, part_out_ptr, part_lse_ptr, first, count, dims, rows_mask, HEAD_DIM: tl.constexpr):
+    "Fold `count` finished parts (normalized output `o` and `lse`, slots first..) into a running max, sum and output."
+    for p in range(count):
+        lse = tl.load(part_lse_ptr + first + p, mask=rows_mask, other=float("-inf"))
+        o = tl.load(part_out_ptr + (first + p)[:, None] * HEAD_DIM + dims[None, :],
+                    mask=(lse > float("-inf"))[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)   # unwritten if empty
+        m_new = tl.maximum(m_i, lse)            # a part is a tile whose max is its lse, whose sum is 1
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha, beta = tl.exp2(m_i - m_safe), tl.exp2(lse - m_safe)
+        m_i, l_i, acc = m_new, l_i * alpha + beta, acc * alpha[:, None] + o * beta[:, None]
+    return m_i, l_i, acc
 
 # %% ../../notebooks/06_attention_kernels.ipynb #cdc15e3d
 DECODE_BLOCK_N = 64      # KV positions per tile: 4 blocks of 16, or a quarter of a block of 256
@@ -135,13 +143,16 @@ class DecodeLaunch:
     q_tiles: int        # programs per KV head of the shared-prefix kernel, SHARED_BLOCK_M query rows each
 
     @property
-    def num_parts(self) -> int:
-        "Partial results per (sequence, head), merged at the end: the prefix's parts first, then the splits."
+    def num_parts(self) -> int:   # partial results per (sequence, head): the prefix's parts first, then the splits
         return self.prefix_parts + self.num_splits
 
     @property
-    def use_splits(self) -> bool:
-        return self.num_parts > 1
+    def fold_prefix(self) -> bool:   # an unsplit own part folds the prefix's parts in itself (cascade): no merge
+        return self.prefix_parts > 0 and self.num_splits == 1
+
+    @property
+    def use_splits(self) -> bool:   # the decode kernel writes partial results, the merge kernel combines them
+        return self.num_parts > 1 and not self.fold_prefix
 
 
 def plan_decode(batch: int, num_heads: int, num_kv_heads: int, max_context: int, sms: int, cascade: bool = False,
@@ -183,10 +194,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n, cascade = block_n or DECODE_BLOCK_N, shared_prefix_len is not None
     plan = plan_decode(batch, num_heads, num_kv_heads, block_tables.shape[1] * page_size, num_sms(q.device),
                        cascade, block_n, num_splits)
-    part_out = part_lse = out  # placeholders when unused
-    if plan.use_splits:
-        part_out = torch.empty(batch, num_heads, plan.num_parts, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(batch, num_heads, plan.num_parts, dtype=torch.float32, device=q.device)
+    parts = (batch, num_heads, plan.num_parts) if plan.num_parts > 1 else None   # float32 partial results, if any
+    part_out = out if parts is None else torch.empty(*parts, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = out if parts is None else torch.empty(parts, dtype=torch.float32, device=q.device)
     common = dict(NUM_Q_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
                   DIM_PAD=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, **dot_options(k_cache.dtype))
     log2_scale, sk, sv = scale * math.log2(math.e), k_cache.stride(), v_cache.stride()
@@ -200,7 +210,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out, part_out, part_lse, q, k_cache, v_cache, block_tables, context_lens,
         shared_prefix_len if cascade else context_lens, log2_scale, plan.num_splits, plan.num_parts,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *sk[:3], *sv[:3], block_tables.stride(0),
-        GROUP_PAD=max(16, plan.group_pad), BLOCK_N=block_n, USE_SPLITS=plan.use_splits, CASCADE=cascade, **common,
+        GROUP_PAD=max(16, plan.group_pad), BLOCK_N=block_n, USE_SPLITS=plan.use_splits, CASCADE=cascade,
+        FOLD_PREFIX=plan.fold_prefix, **common,
         num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages or DECODE_NUM_STAGES)
     if plan.use_splits:
         _merge_splits_kernel[(num_heads, batch)](
