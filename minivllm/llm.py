@@ -57,9 +57,6 @@ class Progress:
         self.bar.set_postfix_str(f"prefill {prefill:,.0f} tok/s, decode {decode:,.0f} tok/s", refresh=False)
         self.bar.update(finished)
 
-    def close(self) -> None:
-        self.bar.close()
-
 # %% ../notebooks/10_llm_engine.ipynb #97ef8471
 class LLM:
     "vLLM's offline entry point: `LLM(model).generate(prompts, sampling_params)`."
@@ -98,7 +95,7 @@ class LLM:
                 engine.abort_request(request_id)
             raise
         finally:
-            progress.close()
+            progress.bar.close()
         return [results[i] for i in ids]
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -95,7 +95,7 @@ def test_block_counts_for_prefill_chunks_and_decode():
     bm = BlockManager(16, block_size=4)
     s = seq_of(range(100, 110))                        # 10 tokens -> 3 blocks
     m = bm.match_prefix(s)
-    assert m == PrefixMatch([], 0, m.first_missing) and m.first_missing is not None
+    assert m == PrefixMatch([], 0)
     assert bm.blocks_needed(s, 10, m) == 3
     assert bm.blocks_needed(s, 3, m) == 1 and bm.blocks_needed(s, 4, m) == 1 and bm.blocks_needed(s, 5, m) == 2
     bm.allocate(s, 5, m)                                # a chunk of 5 tokens: 2 blocks
@@ -211,7 +211,7 @@ def test_prefix_caching_off():
     a, b = seq_of(range(10)), seq_of(range(10))
     assert admit(bm, a) == 0 and admit(bm, b) == 0
     assert bm.hash_to_block_id == {} and a.block_hashes == [] and hits(bm, seq_of(range(10))) == 0
-    assert bm.match_prefix(seq_of(range(10))) == PrefixMatch([], 0, None)
+    assert bm.match_prefix(seq_of(range(10))) == PrefixMatch([], 0)
     assert bm.blocks_needed(seq_of(range(10)), 10) == 3
     assert bm.blocks_needed(seq_of(range(10)), 10, bm.match_prefix(seq_of(range(10)))) == 3
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (0, 0)
@@ -219,7 +219,7 @@ def test_prefix_caching_off():
 
 
 # ---- match_prefix and the sequence's block hashes ------------------------------------------------------------------
-def test_match_prefix_reports_blocks_tokens_and_first_missing_consistently():
+def test_match_prefix_reports_blocks_and_tokens_consistently():
     bm = BlockManager(16, block_size=4)
     a = seq_of(range(14))                                # 3 full blocks cached after its prompt
     admit(bm, a)
@@ -228,16 +228,14 @@ def test_match_prefix_reports_blocks_tokens_and_first_missing_consistently():
         m = bm.match_prefix(s)
         assert m.block_ids == a.block_table[:expect] and m.num_tokens == 4 * expect
         assert m.num_tokens < s.num_tokens                # the last token is always left to compute
-        assert m.first_missing is None                    # every full block before the last token is cached
         assert len(s.block_hashes) == (n - 1) // 4
     s = seq_of(list(range(8)) + [99, 99, 99, 99, 1])     # block 2 differs from a's
     m = bm.match_prefix(s)
     assert m.block_ids == a.block_table[:2] and m.num_tokens == 8
-    assert m.first_missing == s.block_hashes[2] == chained_hashes(s, 3)[2]
-    assert m.first_missing not in bm.hash_to_block_id
+    assert s.block_hashes[2] == chained_hashes(s, 3)[2] and s.block_hashes[2] not in bm.hash_to_block_id
     s = seq_of([50] * 9)                                  # nothing cached: the first block is the first missing
     m = bm.match_prefix(s)
-    assert m == PrefixMatch([], 0, chained_hashes(s, 1)[0])
+    assert m == PrefixMatch([], 0) and s.block_hashes[0] == chained_hashes(s, 1)[0]
 
 
 def test_match_prefix_is_read_only():
@@ -284,7 +282,7 @@ def test_block_hashes_are_computed_once_per_block_and_survive_free(monkeypatch):
     a.num_computed_tokens = 0                                 # as a preemption does
     a.append_token(22)
     m = bm.match_prefix(a)                                    # its own blocks, still cached
-    assert len(calls) == 4 and m.num_tokens == 16 and m.first_missing is None
+    assert len(calls) == 4 and m.num_tokens == 16
     assert len(a.block_hashes) == 4                           # block 4 is not full: not hashed
     bm.allocate(a, 1, m)
     assert a.block_table[:4] == m.block_ids and a.num_computed_tokens == 16
@@ -399,14 +397,11 @@ def check_match(bm: BlockManager, s: Sequence, m: PrefixMatch) -> None:
         assert bm.hash_to_block_id[block.hash] == block_id and block.token_ids == s.block(i)
         assert block.hash == s.block_hashes[i]
     if not bm.enable_prefix_caching:
-        assert m == PrefixMatch([], 0, None)
+        assert m == PrefixMatch([], 0)
         return
     assert s.block_hashes[:(s.num_tokens - 1) // bs] == chained_hashes(s, (s.num_tokens - 1) // bs)
-    if m.first_missing is None:
-        assert len(m.block_ids) == (s.num_tokens - 1) // bs
-    else:
-        assert len(m.block_ids) < (s.num_tokens - 1) // bs and m.first_missing == s.block_hashes[len(m.block_ids)]
-        cached = bm.hash_to_block_id.get(m.first_missing)
+    if len(m.block_ids) < (s.num_tokens - 1) // bs:   # stopped at a miss: the next full block is not cached as it is
+        cached = bm.hash_to_block_id.get(s.block_hashes[len(m.block_ids)])
         assert cached is None or bm.blocks[cached].token_ids != s.block(len(m.block_ids))
 
 

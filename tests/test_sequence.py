@@ -50,7 +50,7 @@ def test_seq_id_and_arrival_time_can_be_given():
     seq = Sequence([1, 2], seq_id=7, arrival_time=1.5)
     assert (seq.seq_id, seq.arrival_time) == (7, 1.5)
     assert Sequence([1], seq_id=0).seq_id == 0          # an engine numbers its sequences from 0
-    assert Sequence([1]).arrival_time is not None and Sequence([1]).first_token_time is None
+    assert Sequence([1]).arrival_time is not None
 
 
 def test_max_num_tokens_follows_max_tokens():

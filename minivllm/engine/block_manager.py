@@ -107,7 +107,6 @@ class PrefixMatch(NamedTuple):
     "What the prefix cache holds of a waiting sequence: computed once when it is considered for admission."
     block_ids: list[int]       # the cached blocks of its leading full blocks, in order
     num_tokens: int            # the tokens they hold
-    first_missing: int | None  # hash of its first full block the cache lacks (None: none is missing, or no cache)
 
 
 @patch
@@ -125,16 +124,16 @@ def block_hashes(self: BlockManager, seq: Sequence, num_blocks: int) -> list[int
 def match_prefix(self: BlockManager, seq: Sequence) -> PrefixMatch:
     "The sequence's leading full blocks found in the prefix cache, leaving at least one token to compute."
     if not self.enable_prefix_caching:
-        return PrefixMatch([], 0, None)
+        return PrefixMatch([], 0)
     bs, tokens = self.block_size, seq.token_ids
     num_full = (seq.num_tokens - 1) // bs   # the last token is always computed: its logits are needed
     hashes, hits = self.block_hashes(seq, num_full), []
     for i, h in enumerate(hashes[:num_full]):
         block_id = self.hash_to_block_id.get(h)
         if block_id is None or self.blocks[block_id].token_ids != tokens[i * bs:(i + 1) * bs]:   # (a collision: a miss)
-            return PrefixMatch(hits, len(hits) * bs, h)
+            break
         hits.append(block_id)
-    return PrefixMatch(hits, len(hits) * bs, None)
+    return PrefixMatch(hits, len(hits) * bs)
 
 # %% ../../notebooks/02_block_manager.ipynb #34b2e3e0
 @patch
@@ -182,11 +181,11 @@ def reserve(self: BlockManager, seq: Sequence, num_tokens: int) -> None:
 
 # %% ../../notebooks/02_block_manager.ipynb #ef3c56af
 @patch
-def commit(self: BlockManager, seq: Sequence, first_block: int) -> None:
-    "After a step wrote K/V: register the full computed blocks from `first_block` on in the prefix cache (no twins)."
+def commit(self: BlockManager, seq: Sequence, first_block: int, num_tokens: int | None = None) -> None:
+    "Register the full blocks of the first `num_tokens` (computed) tokens, from `first_block` on (no twins)."
     if not self.enable_prefix_caching:
         return
-    num_full = seq.num_computed_tokens // self.block_size
+    num_full = (seq.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
     for i, h in enumerate(self.block_hashes(seq, num_full)[first_block:num_full], first_block):
         if h not in self.hash_to_block_id:
             block = self.blocks[seq.block_table[i]]

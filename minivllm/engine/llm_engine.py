@@ -153,6 +153,7 @@ def step(self: LLMEngine) -> list[RequestOutput]:
     except BaseException:
         self.in_flight = None
         self.executor.synchronize()   # let launched work finish before anything reuses its blocks
+        self.scheduler.recover()
         raise
     for req in done:
         self._release(req)

@@ -86,9 +86,9 @@ class Scheduler:
         self.num_preemptions = self.num_finished = 0   # num_finished: sequences ended, for any reason
 
     def __repr__(self) -> str:
-        return (f"Scheduler({len(self.waiting)} waiting, {len(self.running)} running, "
-                f"{self.block_manager.num_free_blocks}/{self.block_manager.num_blocks} blocks free, "
-                f"{self.num_preemptions} preemptions)")
+        bm = self.block_manager
+        return (f"Scheduler({len(self.waiting)} waiting, {len(self.running)} running, {bm.num_free_blocks}/"
+                f"{bm.num_blocks} blocks free, {self.num_preemptions} preemptions)")
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -107,6 +107,12 @@ class Scheduler:
 
     def abort(self, seq: Sequence) -> None:
         self.finish(seq, "abort")
+
+    def recover(self) -> None:
+        "After a failed step (blocks registered for it may hold no K/V): every running sequence starts over, preempted."
+        while self.running:
+            self._preempt(self.running.pop())   # (`_preempt`: below)
+        self.block_manager.reset_prefix_cache()
 
 # %% ../../notebooks/03_scheduler.ipynb #7c79aebb
 @patch
@@ -157,8 +163,7 @@ def _make_room(self: Scheduler, seq: Sequence, num_new_tokens: int, preempted: l
     while not bm.can_allocate(seq, num_new_tokens):
         if len(self.running) == 1:
             raise RuntimeError(f"sequence {seq.seq_id} needs {bm.blocks_needed(seq, num_new_tokens)} more KV blocks, "
-                               f"but only {bm.num_free_blocks} of {bm.num_blocks} are free with no other sequence "
-                               f"left to preempt")
+                               f"but only {bm.num_free_blocks} of {bm.num_blocks} are free, no other sequence to preempt")
         victim = self.running.pop()
         self._preempt(victim)
         preempted.append(victim)
@@ -180,12 +185,10 @@ def _preempt(self: Scheduler, seq: Sequence) -> None:
 @patch
 def _schedule_waiting(self: Scheduler, budget: int, scheduled: list) -> int:
     "Admit waiting prompts, first come first served, while budget, blocks and max_num_seqs allow."
-    bm, computing = self.block_manager, set()   # computing: the first uncached block of each prompt admitted
+    bm = self.block_manager   # (a prompt's blocks are registered as it is admitted: those after it may share them)
     while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
         seq = self.waiting[0]
         match = bm.match_prefix(seq)   # once per admission, passed along
-        if match.first_missing is not None and match.first_missing in computing:
-            break   # a prompt admitted in this step computes that block: from the next step on it is cached
         n = seq.num_tokens - match.num_tokens
         if n > budget and not self.enable_chunked_prefill:
             break
@@ -194,11 +197,11 @@ def _schedule_waiting(self: Scheduler, budget: int, scheduled: list) -> int:
             break
         self.waiting.popleft()
         bm.allocate(seq, n, match)
+        bm.commit(seq, len(match.block_ids), match.num_tokens + n)   # the blocks this step fills: hits from now on
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         scheduled.append((seq, n))
         budget -= n
-        computing.add(match.first_missing)
     return budget
 
 # %% ../../notebooks/03_scheduler.ipynb #fd4e3a02

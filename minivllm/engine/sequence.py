@@ -46,7 +46,6 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []
         self.num_preemptions = 0
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
-        self.first_token_time: float | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
