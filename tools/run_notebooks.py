@@ -41,6 +41,10 @@ def run_notebook(path: Path, timeout: int = 1800, gpu: bool | None = None) -> No
     print(f"ran {path} ({count} cells)")
 
 
+def is_widget_view(output) -> bool:
+    return "application/vnd.jupyter.widget-view+json" in output.get("data", {})
+
+
 def merge_gpu_outputs(path: Path, gpu_run: Path) -> int:
     """Copy the outputs of the `#| gpu` cells of `gpu_run` (the same notebook, executed on a GPU machine) into the
     notebook at `path`, matching cells by their source; the CPU cells keep their CPU outputs. Returns the cells
@@ -53,7 +57,8 @@ def merge_gpu_outputs(path: Path, gpu_run: Path) -> int:
             twin = by_source.get(cell.source)
             if twin is None:
                 raise ValueError(f"{path.name}: GPU cell {cell.get('id')} has no twin with the same source in {gpu_run}")
-            cell.outputs, cell.execution_count = twin.outputs, twin.execution_count
+            cell.outputs = [o for o in twin.outputs if not is_widget_view(o)]   # (a progress bar's widget state
+            cell.execution_count = twin.execution_count                          # stays behind: its text would do)
             updated += 1
     nbformat.write(nb, path)
     return updated
