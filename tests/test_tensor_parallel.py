@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -307,6 +308,30 @@ def test_a_worker_killed_in_the_middle_of_a_call_ends_it_with_an_error(reference
     assert our_children() == before
     with LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE) as again:
         assert_same(completions(again), reference)
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_in_the_middle_of_a_message_is_raised_after_it(reference):
+    """SIGINT goes to a process, and the kernel may hand it to any thread; Python then raises KeyboardInterrupt in the
+    main thread, wherever it is. Between a step's header and its payload, that would leave rank 0 reading a broken
+    request: `_send` holds the signal back until the message is whole, then raises it."""
+    llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
+    rpc = llm.llm_engine.executor.workers.rpc
+    real_send_bytes, interrupted = rpc.send_bytes, []
+
+    def send_bytes_after_a_ctrl_c(payload):   # the header is out; a Ctrl-C arrives through another thread
+        if not interrupted:
+            interrupted.append(True)
+            threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT)).start()
+            time.sleep(0.5)                    # the signal's handler runs here, in the main thread
+        real_send_bytes(payload)
+    rpc.send_bytes = send_bytes_after_a_ctrl_c
+    with pytest.raises(KeyboardInterrupt):
+        completions(llm)
+    del rpc.send_bytes
+    assert interrupted and not llm.llm_engine.requests
+    assert_same(completions(llm), reference)   # rank 0 read whole messages: the engine goes on
+    llm.close()
 
 
 @pytest.mark.timeout(240)

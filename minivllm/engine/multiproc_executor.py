@@ -24,10 +24,8 @@ SPAWN_HINT = ("worker processes are started with multiprocessing's 'spawn' metho
 STEP_TIMEOUT = float(os.environ.get("MINIVLLM_STEP_TIMEOUT", 600))   # seconds: a rank that answers nothing is hung
 
 
-def exit_reason(code: int | None) -> str:
-    if code is None:   # reaped by someone else: the status is gone
-        return "exited"
-    return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+def exit_reason(code: int | None) -> str:   # (None: reaped by someone else, the status is gone)
+    return "exited" if code is None else f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
 class Workers:
@@ -49,16 +47,13 @@ class Workers:
             raise
         finally:
             rpc_child.close()
-        self.hello: set[int] = set()
-        self.failure: str | None = None
-        self.stopping = False
+        self.hello, self.failure, self.stopping = set(), None, False   # ranks that said hello; the first failure
         self.thread = threading.Thread(target=self._watch, name="minivllm-tp-watch", daemon=True)
         self.thread.start()
 
     def kill(self) -> None:
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.kill()
+        for proc in [p for p in self.procs.values() if p.is_alive()]:
+            proc.kill()
 
 # %% auto #0
 __all__ = ['SPAWN_HINT', 'STEP_TIMEOUT', 'exit_reason', 'Workers', 'MultiProcExecutor', 'make_tp_executor']
@@ -169,7 +164,8 @@ def _send(self: MultiProcExecutor, kind: str, *args, payload=None) -> int:
     "Send rank 0 one request (numbered: its answer carries the number); Ctrl-C never cuts a message in half."
     self._check()
     self.number += 1
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    caught, main = [], threading.current_thread() is threading.main_thread()   # (Python runs signal handlers there)
+    previous = signal.signal(signal.SIGINT, lambda *sig: caught.append(sig)) if main else None
     try:
         self.workers.rpc.send((kind, self.number, *args))
         if payload is not None:
@@ -177,7 +173,10 @@ def _send(self: MultiProcExecutor, kind: str, *args, payload=None) -> int:
     except OSError:   # a broken pipe: rank 0 is gone
         self._lost()
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if main:
+            signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(*caught[0])   # the Ctrl-C that came while the message was written, now that it is whole
     return self.number
 
 
