@@ -185,7 +185,7 @@ def _preempt(self: Scheduler, seq: Sequence) -> None:
 @patch
 def _schedule_waiting(self: Scheduler, budget: int, scheduled: list) -> int:
     "Admit waiting prompts, first come first served, while budget, blocks and max_num_seqs allow."
-    bm = self.block_manager   # (a prompt's blocks are registered as it is admitted: those after it may share them)
+    bm = self.block_manager
     while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
         seq = self.waiting[0]
         match = bm.match_prefix(seq)   # once per admission, passed along

@@ -93,7 +93,7 @@ def _shared_prefix_kernel(
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_M, BLOCK_N]: many sequences at once
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
-    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc / tl.where(l_i > 0, l_i, 1.0)[:, None],
-             mask=row_mask[:, None] & dim_mask[None, :])   # a piece past the prefix's end: zeros, lse -inf
-    tl.store(part_lse_ptr + part, tl.where(row_mask, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf")),
-             mask=real)
+    l_i = tl.where(l_i > 0, l_i, 1.0)   # a piece past the prefix's end read nothing: zeros, lse -inf
+    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None],
+             mask=row_mask[:, None] & dim_mask[None, :])
+    tl.store(part_lse_ptr + part, tl.where(row_mask, m_i + tl.log2(l_i), float("-inf")), mask=real)

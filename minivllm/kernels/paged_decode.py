@@ -67,10 +67,11 @@ def _paged_decode_kernel(
     if FOLD_PREFIX:   # the shared prefix's pieces, finished by the kernel launched before: no merge kernel (cascade)
         m_i, l_i, acc = _fold_parts(m_i, l_i, acc, part_out_ptr, part_lse_ptr, (seq * NUM_Q_HEADS + heads) * num_parts,
                                     num_parts - 1, dims, row_mask, HEAD_DIM)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # nothing read (an empty split, a padding row): 0, lse -inf
+    l_i = tl.where(l_i > 0, l_i, 1.0)   # nothing read (an empty split, a padding row): out 0, lse -inf
+    out = acc / l_i[:, None]
     if USE_SPLITS:
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None] & dim_mask[None, :])
-        tl.store(part_lse_ptr + part, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), mask=row_mask)   # -inf if empty
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
     else:
         tl.store(out_ptr + seq * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
