@@ -74,8 +74,7 @@ class LLM:
         return self._engine().tokenizer
 
     def _run(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-        engine = self._engine()
-        prompts = as_prompt_list(prompts)
+        engine, prompts = self._engine(), as_prompt_list(prompts)
         params = params_list(sampling_params, len(prompts))
         checked = [engine.validate(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, params))]
         before = set(engine.requests)   # requests a caller queued with add_request are not this call's to abort

@@ -23,10 +23,12 @@ from .step_inputs import PinnedUploads, StepInputs, to_device
 
 @dataclass
 class StepHandle:
-    "A step launched on the device and not collected yet: its sampled tokens, still on the device."
+    "A step launched on the device and not collected yet: its sampled tokens, and their copy to the host."
     token_ids: torch.Tensor | None = None   # [S] int64; None when the step samples nothing (a prompt chunk)
     logits: torch.Tensor | None = None      # kept when some row asked for logprobs
     sampling: SamplingTensors | None = None
+    host_ids: torch.Tensor | None = None    # their copy in pinned host memory, complete once `copied` has passed
+    copied: torch.cuda.Event | None = None
 
 # %% auto #0
 __all__ = ['StepHandle', 'ModelRunner']
@@ -86,7 +88,10 @@ def execute(self: ModelRunner, step: StepInputs) -> StepHandle:
         return StepHandle()
     sampling, generators = self.sampling.batch(step.seq_ids)
     self.last_sampled = self.sampler(logits, sampling, generators, self.sampling.generator)
-    return StepHandle(self.last_sampled, logits if sampling.max_num_logprobs is not None else None, sampling)
+    host_ids = self.last_sampled.to("cpu", non_blocking=True)   # queued behind the sampler, into pinned memory
+    copied = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
+    return StepHandle(self.last_sampled, logits if sampling.max_num_logprobs is not None else None, sampling,
+                      host_ids, copied)
 
 
 @patch
@@ -106,7 +111,9 @@ def _ahead_input_ids(self: ModelRunner, step: StepInputs) -> torch.Tensor:
 def collect(self: ModelRunner, handle: StepHandle) -> tuple[list[int], list[dict[int, float] | None] | None]:
     if handle.token_ids is None:
         return [], None
-    token_ids = handle.token_ids.tolist()   # the host waits here for the device to finish the step
+    if handle.copied is not None:   # the host waits for this step's copy, not for a step launched after it
+        handle.copied.synchronize()
+    token_ids = handle.host_ids.tolist()
     sampling, logprobs = handle.sampling, None
     if sampling.max_num_logprobs is not None:
         logprobs = gather_logprobs(handle.logits, handle.token_ids,

@@ -55,23 +55,20 @@ class TPExecutor(Executor):
         super().__init__(config, runner)
         self.tp, self.failure = tp, failure
 
-    def launch(self, step: StepInputs) -> tuple[StepHandle, torch.cuda.Event | None]:
+    def launch(self, step: StepInputs) -> StepHandle:
         self._check()
         try:
             send_step(step.header(), step.pack(), self.tp)
             if self.failure is not None:   # torchrun: every rank took the step before any device runs it
                 confirm_step(self.tp, self._check)
-            handle = self.runner.execute(step)
+            return self.runner.execute(step)
         except RuntimeError:   # a collective failed (on a CPU, the step runs here): the failed rank says why
             self._check(wait=15.0)
             raise
-        watched = self.failure is not None and self.runner.device.type == "cuda"   # see `collect`
-        return handle, torch.cuda.current_stream().record_event() if watched else None
 
-    def collect(self, launched: tuple[StepHandle, torch.cuda.Event | None]):
-        handle, event = launched
-        while event is not None and not event.query():   # a wait that sees a failed rank (and Ctrl-C)
-            self._check()
+    def collect(self, handle: StepHandle):
+        while self.failure is not None and handle.copied is not None and not handle.copied.query():
+            self._check()   # torchrun on a GPU: a wait that sees a failed rank (and Ctrl-C)
             time.sleep(1e-4)
         try:
             return self.runner.collect(handle)

@@ -42,8 +42,7 @@ __all__ = ['next_pow2', 'check_device', 'dot_options', 'check_kv_cache', 'online
 def online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
     "Fold a tile of scores `s` [M, N] (log2 units) and values `v` [N, D] into the running max, sum and output."
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    alpha, p = tl.exp2(m_i - m_new), tl.exp2(s - m_new[:, None])   # old sums' rescale, tile weights
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc

@@ -41,8 +41,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
         raise ValueError(f"store_kvcache: k/v are {k.dtype}, the cache is {k_cache.dtype}")
     check_device(k, v, k_cache, v_cache, slot_mapping)
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
+    k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
     if n == 0:
         return
     _store_kvcache_kernel[(n,)](
