@@ -361,6 +361,24 @@ def test_interleaved_gpu_engines_of_different_shapes_each_give_their_own_tokens(
                                                     {**GPU_ENGINE, "max_num_seqs": 32, "block_size": 32})
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_gpu_collect_waits_for_its_own_step_not_for_work_queued_after_it():
+    "Asynchronous scheduling overlaps only if `collect(N)` returns while what was launched after step N still runs."
+    llm = LLM(TINY_MODEL_PATH, **GPU_ENGINE)
+    engine = llm.llm_engine
+    try:
+        engine.add_request("def fibonacci(n):\n    ", SamplingParams(temperature=0, max_tokens=8))
+        handle = engine.executor.launch(engine.builder.build(engine.scheduler.schedule()))
+        torch.cuda._sleep(2_000_000_000)   # about a second of GPU work queued behind the step, like a step launched ahead
+        after = torch.cuda.current_stream().record_event()
+        token_ids, _ = engine.executor.collect(handle)
+        assert len(token_ids) == 1 and not after.query()   # the tokens came back while the later work still ran
+        torch.cuda.synchronize()
+    finally:
+        llm.close()
+
+
 # ---- the step trace ---------------------------------------------------------------------------------------------
 
 def test_step_trace_records_every_step():
