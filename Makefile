@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=1800
 
-.PHONY: venv test test-unit test-notebooks check-export shape export demo lab notebooks clean
+.PHONY: venv test test-unit test-browser test-notebooks check-export shape export demo lab notebooks clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,13 +19,18 @@ venv: $(STAMP)
 
 ## make test: the whole suite: unit tests, then every notebook re-run and compared (nbval), then the export check
 test: venv
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -m "not browser"
 	$(PY) -m pytest $(NBVAL) notebooks/
 	$(PY) tools/export.py --check
 	$(PY) tools/shape.py
 
 test-unit: venv
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -m "not browser"
+
+## make test-browser: JupyterLab in headless Chromium runs 00, 02 and 03 and moves their players' sliders
+## (needs the distribution's chromium and chromium-driver: `apt-get install chromium chromium-driver`)
+test-browser: venv
+	MINIVLLM_REQUIRE_BROWSER=1 $(PY) -m pytest tests/test_browser.py -m browser
 
 test-notebooks: venv
 	$(PY) -m pytest $(NBVAL) notebooks/

@@ -1,0 +1,175 @@
+"""JupyterLab as a learner meets it, driven by headless Chromium (selenium): open 00, 02 and 03, run every cell, move
+each KV-cache player's slider and check that its picture changes.
+
+`make test-browser` runs it, and fails if it cannot; `.ci/run` installs the distribution's `chromium` and
+`chromium-driver` first. Elsewhere, without them, the test is skipped. The notebooks are copied to a temporary
+folder, so that JupyterLab's autosave never touches the repository's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ["00_tour.ipynb", "02_block_manager.ipynb", "03_scheduler.ipynb"]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+try:
+    from selenium import webdriver
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+except ImportError:
+    webdriver = None
+MISSING = ", ".join(what for what, found in (("selenium", webdriver), ("chromium", CHROMIUM),
+                                                ("chromedriver", CHROMEDRIVER)) if not found)
+if MISSING and os.environ.get("MINIVLLM_REQUIRE_BROWSER") == "1":   # `make test-browser`: a skip would prove nothing
+    raise RuntimeError(f"the browser test cannot run: {MISSING} not found (apt-get install chromium chromium-driver)")
+pytestmark = [pytest.mark.browser, pytest.mark.skipif(bool(MISSING), reason=f"needs {MISSING}")]
+
+# JavaScript run in the page (JupyterLab exposes its application as `window.jupyterapp` when asked to)
+NOTEBOOK_STATE = """
+const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+if (!panel || !panel.content || !panel.content.model || !panel.sessionContext.session) return null;
+const kernel = panel.sessionContext.session.kernel;
+const cells = panel.content.model.cells, state = {kernel: kernel ? kernel.status : null, pending: 0, errors: []};
+for (let i = 0; i < cells.length; i++) {
+  const cell = cells.get(i);
+  if (cell.type !== 'code') continue;
+  if (cell.executionCount === null) state.pending += 1;
+  for (const out of cell.outputs.toJSON())
+    if (out.output_type === 'error') state.errors.push(i + ': ' + out.ename + ': ' + out.evalue);
+}
+return state;
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
+    "Poll `condition()` until it returns something truthy; fail (naming `what`) after `timeout` seconds."
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    "JupyterLab on a copy of the course (notebooks and the figures they read), with windowing off: (url, token)."
+    work = tmp_path_factory.mktemp("course")
+    shutil.copytree(ROOT / "notebooks", work / "notebooks")
+    shutil.copytree(ROOT / "figures", work / "figures")
+    settings = work / "settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    port, token = free_port(), "minivllm-browser-test"
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+           f"--ServerApp.token={token}", f"--ServerApp.root_dir={work / 'notebooks'}",
+           "--LabApp.expose_app_in_browser=True", f"--LabApp.user_settings_dir={work / 'settings'}",
+           "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    if hasattr(os, "getuid") and os.getuid() == 0:
+        cmd.append("--allow-root")
+    server = subprocess.Popen(cmd, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        try:
+            with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return server.poll() is not None and pytest.fail(f"JupyterLab exited with code {server.returncode}")
+    try:
+        wait_for(up, 120, "JupyterLab to start")
+        yield url, token
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=CHROMEDRIVER), options=options)
+    driver.set_script_timeout(30)
+    yield driver
+    driver.quit()
+
+
+def run_all_cells(driver, url: str, token: str, name: str) -> None:
+    "Open `name`, wait for its kernel, clear the stored outputs, run every cell; fail on an error output."
+    driver.get(f"{url}/lab/tree/{name}?token={token}")
+    wait_for(lambda: (driver.execute_script(NOTEBOOK_STATE) or {}).get("kernel") == "idle", 180,
+             f"{name}'s kernel to be ready")
+    driver.execute_script("return window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs')")
+    driver.execute_script("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+
+    def finished():
+        state = driver.execute_script(NOTEBOOK_STATE)
+        assert not state["errors"], f"{name}: a cell failed: {state['errors'][0]}"
+        return state["pending"] == 0 and state["kernel"] == "idle"
+    wait_for(finished, 600, f"every cell of {name} to run", interval=1.0)
+
+
+def leave(driver, url: str, token: str) -> None:
+    "Save the notebook (so that leaving the page asks nothing) and shut its kernel down."
+    driver.execute_async_script("window.jupyterapp.commands.execute('docmanager:save').then(arguments[0], arguments[0])")
+    with urllib.request.urlopen(f"{url}/api/sessions?token={token}", timeout=10) as r:
+        sessions = json.load(r)
+    for session in sessions:
+        request = urllib.request.Request(f"{url}/api/sessions/{session['id']}?token={token}", method="DELETE")
+        urllib.request.urlopen(request, timeout=30).close()
+
+
+def shown_picture(player) -> str | None:
+    "The `src` of the frame a player shows (its Stack shows one image at a time)."
+    shown = [img.get_attribute("src") for img in player.find_elements(By.CSS_SELECTOR, "img") if img.is_displayed()]
+    return shown[0] if len(shown) == 1 else None
+
+
+def players(driver) -> list:
+    "Every KV-cache player on the page: a VBox holding a Play button, a slider and a stack of images."
+    boxes = driver.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output .widget-vbox")
+    return [b for b in boxes if b.find_elements(By.CSS_SELECTOR, ".widget-play")
+            and b.find_elements(By.CSS_SELECTOR, ".widget-slider") and b.find_elements(By.CSS_SELECTOR, "img")]
+
+
+@pytest.mark.timeout(1500)
+def test_the_course_runs_in_jupyterlab_and_its_players_move(lab, browser):
+    url, token = lab
+    moved = {}
+    for name in NOTEBOOKS:
+        run_all_cells(browser, url, token, name)
+        found = wait_for(lambda: players(browser), 30, f"the players of {name}") if name != "00_tour.ipynb" \
+            else players(browser)
+        for player in found:
+            browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", player)
+            before = wait_for(lambda: shown_picture(player), 15, f"a frame shown by a player of {name}")
+            handle = player.find_element(By.CSS_SELECTOR, ".widget-slider .noUi-handle")
+            handle.click()
+            handle.send_keys(Keys.ARROW_RIGHT)   # the next snapshot
+            wait_for(lambda: shown_picture(player) not in (None, before), 15, f"a player of {name} to change frame")
+            moved[name] = moved.get(name, 0) + 1
+        leave(browser, url, token)
+    assert moved.get("02_block_manager.ipynb", 0) >= 1 and moved.get("03_scheduler.ipynb", 0) >= 1, moved
