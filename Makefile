@@ -56,6 +56,7 @@ demo: venv
 
 ## make lab: JupyterLab on the course, with the venv's kernel
 lab: venv
+	$(VENV)/bin/jupyter trust notebooks/*.ipynb >/dev/null   # trusted: stored widgets (the players) show at once
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/
 
 clean:

@@ -78,6 +78,10 @@ def lab(tmp_path_factory):
     settings = work / "settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)
     (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    env = dict(os.environ, JUPYTER_DATA_DIR=str(work / "data"))   # (its own trust database, runtime files)
+    trust = Path(sys.executable).parent / "jupyter-trust"   # what `make lab` does: outputs of a trusted notebook
+    subprocess.run([trust, *map(str, (work / "notebooks").glob("*.ipynb"))], env=env, check=True, timeout=120,
+                   capture_output=True)                      # may render widgets (the players) before any cell runs
     port, token = free_port(), "minivllm-browser-test"
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
            f"--ServerApp.token={token}", f"--ServerApp.root_dir={work / 'notebooks'}",
@@ -85,7 +89,7 @@ def lab(tmp_path_factory):
            "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
     if hasattr(os, "getuid") and os.getuid() == 0:
         cmd.append("--allow-root")
-    server = subprocess.Popen(cmd, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
 
     def up():
@@ -117,11 +121,14 @@ def browser():
     driver.quit()
 
 
-def run_all_cells(driver, url: str, token: str, name: str) -> None:
-    "Open `name`, wait for its kernel, clear the stored outputs, run every cell; fail on an error output."
-    driver.get(f"{url}/lab/tree/{name}?token={token}")
+def open_notebook(driver, url: str, token: str, name: str) -> None:
+    driver.get(f"{url}/lab/tree/{name}?reset&token={token}")   # (reset: no tab of the notebook before comes back)
     wait_for(lambda: (driver.execute_script(NOTEBOOK_STATE) or {}).get("kernel") == "idle", 180,
              f"{name}'s kernel to be ready")
+
+
+def run_all_cells(driver, name: str) -> None:
+    "Clear the open notebook's stored outputs, run every cell; fail on an error output."
     driver.execute_script("return window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs')")
     driver.execute_script("window.jupyterapp.commands.execute('notebook:run-all-cells')")
 
@@ -149,8 +156,9 @@ def shown_picture(player) -> str | None:
 
 
 def players(driver) -> list:
-    "Every KV-cache player on the page: a VBox holding a Play button, a slider and a stack of images."
-    boxes = driver.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output .widget-vbox")
+    "Every KV-cache player of the open notebook: a VBox holding a Play button, a slider and a stack of images."
+    panel = driver.execute_script("return window.jupyterapp.shell.currentWidget.node")
+    boxes = panel.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output .widget-vbox")
     return [b for b in boxes if b.find_elements(By.CSS_SELECTOR, ".widget-play")
             and b.find_elements(By.CSS_SELECTOR, ".widget-slider") and b.find_elements(By.CSS_SELECTOR, "img")]
 
@@ -160,7 +168,11 @@ def test_the_course_runs_in_jupyterlab_and_its_players_move(lab, browser):
     url, token = lab
     moved = {}
     for name in NOTEBOOKS:
-        run_all_cells(browser, url, token, name)
+        open_notebook(browser, url, token, name)
+        if name != "00_tour.ipynb":   # the stored widget state draws the players before the kernel ran anything
+            stored = wait_for(lambda: players(browser), 60, f"the stored players of {name} to show")
+            assert all(wait_for(lambda: shown_picture(p), 15, "a stored frame") for p in stored)
+        run_all_cells(browser, name)
         found = wait_for(lambda: players(browser), 30, f"the players of {name}") if name != "00_tour.ipynb" \
             else players(browser)
         for player in found:
