@@ -12,7 +12,7 @@ from fastcore.basics import patch
 
 from ..config import Config
 from ..distributed.parallel_state import SINGLE, TPGroup, broadcast
-from ..layers.sampler import Sampler, SamplingTensors, gather_logprobs
+from ..layers.sampler import LogprobsTensors, Sampler, SamplingTensors, gather_logprobs
 from ..models.registry import build_model
 from ..sampling_params import SamplingParams
 from .cuda_graph import CUDAGraphRunner
@@ -25,7 +25,7 @@ from .step_inputs import PinnedUploads, StepInputs, to_device
 class StepHandle:
     "A step launched on the device and not collected yet: its sampled tokens, and their copy to the host."
     token_ids: torch.Tensor | None = None   # [S] int64; None when the step samples nothing (a prompt chunk)
-    logits: torch.Tensor | None = None      # kept when some row asked for logprobs
+    logprobs: LogprobsTensors | None = None   # when some row asked for them: on their way to the host too
     sampling: SamplingTensors | None = None
     host_ids: torch.Tensor | None = None    # their copy in pinned host memory, complete once `copied` has passed
     copied: torch.cuda.Event | None = None
@@ -88,10 +88,13 @@ def execute(self: ModelRunner, step: StepInputs) -> StepHandle:
         return StepHandle()
     sampling, generators = self.sampling.batch(step.seq_ids)
     self.last_sampled = self.sampler(logits, sampling, generators, self.sampling.generator)
+    logprobs = None
+    if sampling.max_num_logprobs is not None:   # gathered now, to travel to the host with the tokens
+        lp = gather_logprobs(logits, self.last_sampled, sampling.max_num_logprobs)
+        logprobs = LogprobsTensors(*(t.to("cpu", non_blocking=True) for t in (lp.token_ids, lp.logprobs)))
     host_ids = self.last_sampled.to("cpu", non_blocking=True)   # queued behind the sampler, into pinned memory
     copied = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
-    return StepHandle(self.last_sampled, logits if sampling.max_num_logprobs is not None else None, sampling,
-                      host_ids, copied)
+    return StepHandle(self.last_sampled, logprobs, sampling, host_ids, copied)
 
 
 @patch
@@ -113,12 +116,8 @@ def collect(self: ModelRunner, handle: StepHandle) -> tuple[list[int], list[dict
         return [], None
     if handle.copied is not None:   # the host waits for this step's copy, not for a step launched after it
         handle.copied.synchronize()
-    token_ids = handle.host_ids.tolist()
-    sampling, logprobs = handle.sampling, None
-    if sampling.max_num_logprobs is not None:
-        logprobs = gather_logprobs(handle.logits, handle.token_ids,
-                                   sampling.max_num_logprobs).tolists(sampling.num_logprobs)
-    return token_ids, logprobs
+    logprobs = handle.logprobs and handle.logprobs.tolists(handle.sampling.num_logprobs)
+    return handle.host_ids.tolist(), logprobs
 
 
 @patch
