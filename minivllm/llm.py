@@ -20,10 +20,8 @@ def as_prompt_list(prompts) -> list[PromptType]:
     "One prompt (text, token ids or a prompt dict) or a list of prompts -> a list of prompts."
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if isinstance(prompts, SequenceABC) and any(isinstance(t, Integral) for t in prompts):
-        return [list(prompts)]  # a single prompt of token ids (a stray non-int in it is reported as such)
-    if isinstance(prompts, SequenceABC):
-        return list(prompts)
+    if isinstance(prompts, SequenceABC):   # one prompt of token ids (a stray non-int in it is reported as such), or many
+        return [list(prompts)] if any(isinstance(t, Integral) for t in prompts) else list(prompts)
     raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict or a list of these, "
                     f"got {type(prompts).__name__}")
 

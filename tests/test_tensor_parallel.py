@@ -334,28 +334,26 @@ def test_ctrl_c_in_the_middle_of_a_message_is_raised_after_it(reference):
     llm.close()
 
 
-@pytest.mark.timeout(240)
-def test_ctrl_c_interrupts_a_call_promptly_and_the_engine_goes_on(tmp_path):
-    """SIGINT to the whole process group (what a terminal, or JupyterLab's interrupt, does): the workers ignore it,
-    the driving process gets a KeyboardInterrupt within a few seconds, its requests are aborted, and the next call
-    gives the right tokens; closing then ends every worker."""
+def check_ctrl_c(tmp_path, model: str, engine: dict, first_prompt, loop_prompt) -> None:
+    """SIGINT to the whole process group of a script whose engine generates in a loop: the script must print that it was
+    interrupted within 10 s, then get its first tokens again from the same engine, then close it, leaving no worker."""
     body = f"""
         import time, psutil
         from minivllm import LLM, SamplingParams
         if __name__ == "__main__":
-            llm = LLM({TINY_MODEL_PATH!r}, tensor_parallel_size=2, **{ENGINE!r})
-            greedy = SamplingParams(temperature=0, max_tokens=16)
-            first = llm.generate(["def f(x):"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+            llm = LLM({model!r}, tensor_parallel_size=2, **{engine!r})
+            greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+            first = llm.generate([{first_prompt!r}], greedy, use_tqdm=False)[0].outputs[0].token_ids
             workers = [p for p in psutil.Process().children() if "resource_tracker" not in " ".join(p.cmdline())]
             print("ready", flush=True)
             start = time.monotonic()
             try:
-                while True:
-                    llm.generate(["import os"] * 8, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+                while True:   # (a generation may end before the signal comes: another one starts)
+                    llm.generate([{loop_prompt!r}] * 8, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
             except KeyboardInterrupt:
                 print(f"interrupted after {{time.monotonic() - start:.1f}} s", flush=True)
             assert not llm.llm_engine.has_unfinished_requests()
-            again = llm.generate(["def f(x):"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+            again = llm.generate([{first_prompt!r}], greedy, use_tqdm=False)[0].outputs[0].token_ids
             print("same tokens", again == first, flush=True)
             llm.close()
             gone, alive = psutil.wait_procs(workers, timeout=30)
@@ -366,19 +364,28 @@ def test_ctrl_c_interrupts_a_call_promptly_and_the_engine_goes_on(tmp_path):
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)   # its own process group: the signal reaches the workers too
     try:
-        assert proc.stdout.readline().strip() == "ready"
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", line + proc.stderr.read()[-3000:]
         time.sleep(2.0)
         sent = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
         line = proc.stdout.readline()
-        assert line.startswith("interrupted after"), line + proc.stderr.read()[-2000:]
+        assert line.startswith("interrupted after"), line + proc.stderr.read()[-3000:]
         assert time.monotonic() - sent < 10
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
-    assert out.splitlines() == ["same tokens True", "workers left 0"]
+    assert out.splitlines() == ["same tokens True", "workers left 0"], err[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_interrupts_a_call_promptly_and_the_engine_goes_on(tmp_path):
+    """SIGINT to the whole process group (what a terminal, or JupyterLab's interrupt, does): the workers ignore it,
+    the driving process gets a KeyboardInterrupt within a few seconds, its requests are aborted, and the next call
+    gives the right tokens; closing then ends every worker."""
+    check_ctrl_c(tmp_path, TINY_MODEL_PATH, ENGINE, "def f(x):", "import os")
 
 
 @pytest.mark.timeout(180)
@@ -460,6 +467,13 @@ def random_qwen3_0_6b() -> str:
     return random_qwen3_folder(os.path.join(os.path.expanduser("~"), ".cache", "minivllm", "qwen3-0.6b-random"))
 
 
+def small_random_qwen3() -> str:
+    "The same architecture cut to two layers: the fault tests start many engines, and the model's size is not theirs."
+    from minivllm.bench import random_qwen3_folder
+    path = os.path.join(os.path.expanduser("~"), ".cache", "minivllm", "qwen3-0.6b-2-layers-random")
+    return random_qwen3_folder(path, num_hidden_layers=2)
+
+
 def gpu_tokens(folder: str, prompts: list[list[int]], max_tokens: int, **kwargs) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(folder, skip_tokenizer_init=True, **{**GPU_ENGINE, **kwargs}) as llm:
@@ -502,7 +516,7 @@ def test_gpu_tp2_cuda_graphs_match_eager_float32():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("stage", ["load", "step"])
 def test_gpu_worker_failure_is_raised_and_the_gpus_come_back(monkeypatch, stage):
-    folder, before = random_qwen3_0_6b(), [gpu_memory_used(i) for i in range(2)]
+    folder, before = small_random_qwen3(), [gpu_memory_used(i) for i in range(2)]
     children = our_children()   # (torch.compile's workers of earlier tests, say)
     monkeypatch.setenv("MINIVLLM_TP_FAIL", f"1:{stage}")
     start = time.monotonic()
@@ -521,7 +535,7 @@ def test_gpu_worker_failure_is_raised_and_the_gpus_come_back(monkeypatch, stage)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_gpu_worker_killed_in_a_step_ends_the_call_within_a_minute(rank):
     "SIGKILL (what the OOM killer sends) to a rank in the middle of a generation, with the other rank in a collective."
-    folder, children = random_qwen3_0_6b(), our_children()
+    folder, children = small_random_qwen3(), our_children()
     llm = LLM(folder, skip_tokenizer_init=True, tensor_parallel_size=2, **GPU_ENGINE)
     try:
         stream = llm.stream([1, 2, 3], SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
@@ -541,46 +555,14 @@ def test_gpu_worker_killed_in_a_step_ends_the_call_within_a_minute(rank):
 @two_gpus
 @pytest.mark.timeout(240)
 def test_gpu_ctrl_c_interrupts_and_the_engine_goes_on(tmp_path):
-    folder = random_qwen3_0_6b()
-    body = f"""
-        import time
-        from minivllm import LLM, SamplingParams
-        if __name__ == "__main__":
-            llm = LLM({folder!r}, skip_tokenizer_init=True, tensor_parallel_size=2, **{GPU_ENGINE!r})
-            greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-            first = llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids
-            print("ready", flush=True)
-            try:
-                llm.generate([[5, 6, 7]] * 8, SamplingParams(max_tokens=900, ignore_eos=True), use_tqdm=False)
-            except KeyboardInterrupt:
-                print("interrupted", flush=True)
-            print("same tokens", llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids == first)
-            llm.close()
-    """
-    script = tmp_path / "interrupt.py"
-    script.write_text(textwrap.dedent(body))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(3.0)
-        sent = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.stdout.readline().strip() == "interrupted"
-        assert time.monotonic() - sent < 10
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, err[-3000:]
-    assert out.strip() == "same tokens True"
+    check_ctrl_c(tmp_path, small_random_qwen3(), GPU_ENGINE, [1, 2, 3], [5, 6, 7])
 
 
 @pytest.mark.gpu
 @two_gpus
 @pytest.mark.timeout(240)
 def test_gpu_torchrun_rank_that_fails_ends_rank_0_with_its_error(tmp_path):
-    folder = random_qwen3_0_6b()
+    folder = small_random_qwen3()
     body = f"""
         import faulthandler, signal
         from minivllm import LLM, SamplingParams

@@ -45,7 +45,7 @@ class StubModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta=None) -> torch.Tensor:
         return torch.zeros(len(input_ids), self.hidden_size)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return hidden
 
 
@@ -75,7 +75,7 @@ def host_graph_runner(model: nn.Module, config) -> CUDAGraphRunner:
     CUDAGraphRunner.capture = no_capture
     try:   # cascade as on a GPU with prefix caching (the Triton backend)
         return CUDAGraphRunner(model, config.max_num_seqs, config.max_model_len, config.block_size,
-                               config.hf_config.hidden_size, config.torch_dtype, torch.device("cpu"),
+                               config.hf_config.vocab_size, config.torch_dtype, torch.device("cpu"),
                                cascade=config.enable_prefix_caching)
     finally:
         CUDAGraphRunner.capture = capture

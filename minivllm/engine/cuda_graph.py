@@ -51,11 +51,11 @@ class CUDAGraphRunner:
     "Decode steps recorded once per batch size (and cascade): a replay launches their hundreds of kernels at once."
 
     def __init__(self, model: torch.nn.Module, max_batch_size: int, max_model_len: int, block_size: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device, cascade: bool = False):
+                 vocab_size: int, dtype: torch.dtype, device: torch.device, cascade: bool = False):
         self.batch_sizes = graph_batch_sizes(max_batch_size)
         self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
         self.inputs = GraphInputs(max_batch_size, -(-max_model_len // block_size), device)
-        self.hidden = torch.zeros(max_batch_size, hidden_size, dtype=dtype, device=device)
+        self.logits = torch.zeros(max_batch_size, vocab_size, dtype=dtype, device=device)   # the graphs' output
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # only batch sizes where a cascade can pay
         self.capture(model, cascade)
@@ -70,10 +70,10 @@ class CUDAGraphRunner:
                 variants.append((self.cascade_graphs, True))
             for graphs, shared in variants:
                 x = self.inputs.step(bs, self.max_model_len, shared)
-                self.hidden[:bs] = model(x.input_ids, x.positions, x.meta)  # warm-up: compile kernels, allocate
+                model.compute_logits(model(x.input_ids, x.positions, x.meta), self.logits[:bs])   # warm-up
                 graphs[bs] = graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    self.hidden[:bs] = model(x.input_ids, x.positions, x.meta)
+                with torch.cuda.graph(graph, pool):   # the model and its LM head: one launch fewer per step
+                    model.compute_logits(model(x.input_ids, x.positions, x.meta), self.logits[:bs])
                 pool = pool or graph.pool()
                 torch.cuda.synchronize()
 
@@ -81,9 +81,9 @@ class CUDAGraphRunner:
         return step.is_decode_only and step.sizes.num_seqs <= self.max_batch_size
 
     def replay(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        "Each sequence's hidden state, from the smallest graph that fits; `input_ids`: on the device, for `step`'s."
+        "Each sequence's logits, from the smallest graph that fits; `input_ids`: on the device, for `step`'s."
         n = step.sizes.num_seqs
         bs = next(b for b in self.batch_sizes if b >= n)
         self.inputs.load(step, bs, input_ids)
         (self.cascade_graphs if step.shared_prefix_len[0] else self.graphs)[bs].replay()
-        return self.hidden[:n]
+        return self.logits[:n]

@@ -55,7 +55,7 @@ class ModelRunner:
             self.last_sampled: torch.Tensor | None = None   # the token ids of the step before, on the device
             if self.device.type == "cuda" and not config.enforce_eager and config.attention_backend != "torch":
                 self.graphs = CUDAGraphRunner(self.model, config.max_num_seqs, config.max_model_len, config.block_size,
-                                              config.hf_config.hidden_size, config.torch_dtype, self.device,
+                                              config.hf_config.vocab_size, config.torch_dtype, self.device,
                                               cascade=config.cascade)
         except BaseException:
             self.close()
@@ -73,18 +73,9 @@ class ModelRunner:
 def execute(self: ModelRunner, step: StepInputs) -> StepHandle:
     "Queue the forward pass, the sampled rows' logits and (first rank) the sampler, and return at once."
     input_ids = self._ahead_input_ids(step) if step.ahead else None
-    if self.graphs is not None and self.graphs.can_run(step):
-        hidden, rows = self.graphs.replay(step, input_ids), None   # one row per sequence
-    else:
-        x = self.upload(step)
-        hidden, rows = self.model(x.input_ids if input_ids is None else input_ids, x.positions, x.meta), x.logits_indices
-    num_sampled = step.sizes.num_sampled
-    if num_sampled == 0:   # a step of prompt chunks only: nothing to sample
-        return StepHandle()
-    if num_sampled < len(hidden):
-        hidden = hidden[rows if rows is not None else torch.from_numpy(step.logits_indices).to(self.device)]
-    logits = self.model.compute_logits(hidden)   # every rank: the LM head gathers the vocabulary's slices
-    if self.tp.rank != 0:
+    graph = self.graphs is not None and self.graphs.can_run(step)   # (a decode step: every sequence samples)
+    logits = self.graphs.replay(step, input_ids) if graph else self._forward(step, input_ids)
+    if logits is None or self.tp.rank != 0:   # nothing to sample (prompt chunks only), or not the sampling rank
         return StepHandle()
     sampling, generators = self.sampling.batch(step.seq_ids)
     self.last_sampled = self.sampler(logits, sampling, generators, self.sampling.generator)
@@ -95,6 +86,15 @@ def execute(self: ModelRunner, step: StepInputs) -> StepHandle:
     host_ids = self.last_sampled.to("cpu", non_blocking=True)   # queued behind the sampler, into pinned memory
     copied = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
     return StepHandle(self.last_sampled, logprobs, sampling, host_ids, copied)
+
+
+@patch
+def _forward(self: ModelRunner, step: StepInputs, input_ids: torch.Tensor | None) -> torch.Tensor | None:
+    "Upload and run the model; the logits of the rows that sample (every rank: the LM head gathers), or None."
+    x = self.upload(step)
+    hidden = self.model(x.input_ids if input_ids is None else input_ids, x.positions, x.meta)
+    n = step.sizes.num_sampled   # 0: a step of prompt chunks only, nothing to sample
+    return None if n == 0 else self.model.compute_logits(hidden if n == len(hidden) else hidden[x.logits_indices])
 
 
 @patch

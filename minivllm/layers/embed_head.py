@@ -59,7 +59,9 @@ class ParallelLMHead(VocabParallelEmbedding):
                              f"to an embedding of shape {list(embedding.weight.shape)}")
         self.weight = embedding.weight
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        "`[num_rows, hidden] -> [num_rows, vocab]` logits (each rank gets all of them)."
-        logits = all_gather_last_dim(F.linear(hidden_states, self.weight), self.tp)
-        return logits[..., :self.num_embeddings] if logits.shape[-1] > self.num_embeddings else logits
+    def forward(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        "`[num_rows, hidden] -> [num_rows, vocab]` logits (each rank gets all of them), into `out` if given."
+        if out is not None and self.tp.size == 1:   # straight into the buffer (a CUDA graph's output): no copy
+            return torch.mm(hidden_states, self.weight.t(), out=out)
+        logits = all_gather_last_dim(F.linear(hidden_states, self.weight), self.tp)[..., :self.num_embeddings]
+        return logits if out is None else out.copy_(logits)

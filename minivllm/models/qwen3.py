@@ -135,6 +135,6 @@ class Qwen3ForCausalLM(nn.Module):
         "Hidden states `[num_tokens, hidden]` of the step's flat tokens; without `meta`, the tokens are one sequence."
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        "Logits `[rows, vocab_size]` for the given hidden rows (the runner passes one row per sampled sequence)."
-        return self.lm_head(hidden_states)
+    def compute_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        "Logits `[rows, vocab_size]` for the given hidden rows (one per sampled sequence), into `out` if given."
+        return self.lm_head(hidden_states, out)
