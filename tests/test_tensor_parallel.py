@@ -526,7 +526,8 @@ def test_gpu_worker_failure_is_raised_and_the_gpus_come_back(monkeypatch, stage)
     assert our_children() == children
     assert all(gpu_memory_used(i) < b + 2**30 for i, b in enumerate(before))   # the workers' memory returned
     monkeypatch.delenv("MINIVLLM_TP_FAIL")
-    assert len(gpu_tokens(folder, [[1, 2, 3]], 4, tensor_parallel_size=2)[0]) == 4
+    if stage == "load":   # (once: engines are slow to start) a new engine after a group that failed half-made
+        assert len(gpu_tokens(folder, [[1, 2, 3]], 4, tensor_parallel_size=2)[0]) == 4
 
 
 @pytest.mark.gpu
@@ -548,7 +549,8 @@ def test_gpu_worker_killed_in_a_step_ends_the_call_within_a_minute(rank):
     finally:
         llm.close()
     assert our_children() == children
-    assert len(gpu_tokens(folder, [[1, 2, 3]], 4, tensor_parallel_size=2)[0]) == 4
+    if rank == 1:   # (once) a new engine after one whose rank died
+        assert len(gpu_tokens(folder, [[1, 2, 3]], 4, tensor_parallel_size=2)[0]) == 4
 
 
 @pytest.mark.gpu
