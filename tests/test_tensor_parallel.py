@@ -311,10 +311,12 @@ def test_a_worker_killed_in_the_middle_of_a_call_ends_it_with_an_error(reference
 
 
 @pytest.mark.timeout(300)
-def test_ctrl_c_in_the_middle_of_a_message_is_raised_after_it(reference):
+def test_ctrl_c_in_the_middle_of_a_message_is_raised_after_it(reference, request):
     """SIGINT goes to a process, and the kernel may hand it to any thread; Python then raises KeyboardInterrupt in the
     main thread, wherever it is. Between a step's header and its payload, that would leave rank 0 reading a broken
     request: `_send` holds the signal back until the message is whole, then raises it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)   # as in a terminal (a launcher may ignore it)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
     rpc = llm.llm_engine.executor.workers.rpc
     real_send_bytes, interrupted = rpc.send_bytes, []
@@ -338,9 +340,10 @@ def check_ctrl_c(tmp_path, model: str, engine: dict, first_prompt, loop_prompt) 
     """SIGINT to the whole process group of a script whose engine generates in a loop: the script must print that it was
     interrupted within 10 s, then get its first tokens again from the same engine, then close it, leaving no worker."""
     body = f"""
-        import time, psutil
+        import signal, time, psutil
         from minivllm import LLM, SamplingParams
         if __name__ == "__main__":
+            signal.signal(signal.SIGINT, signal.default_int_handler)   # as in a terminal (a launcher may ignore it)
             llm = LLM({model!r}, tensor_parallel_size=2, **{engine!r})
             greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
             first = llm.generate([{first_prompt!r}], greedy, use_tqdm=False)[0].outputs[0].token_ids
