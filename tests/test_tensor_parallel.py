@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -336,14 +337,25 @@ def test_ctrl_c_in_the_middle_of_a_message_is_raised_after_it(reference, request
     llm.close()
 
 
+def next_line(proc: subprocess.Popen, timeout: float) -> str:
+    "The script's next line of output; after `timeout` seconds without one, a failure that shows where it is stuck."
+    if select.select([proc.stdout], [], [], timeout)[0]:
+        return proc.stdout.readline()
+    os.kill(proc.pid, signal.SIGUSR1)   # the script's faulthandler prints its threads' stacks
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"no output within {timeout:.0f} s; the script's stacks:\n{proc.stderr.read()[-6000:]}")
+
+
 def check_ctrl_c(tmp_path, model: str, engine: dict, first_prompt, loop_prompt) -> None:
     """SIGINT to the whole process group of a script whose engine generates in a loop: the script must print that it was
     interrupted within 10 s, then get its first tokens again from the same engine, then close it, leaving no worker."""
     body = f"""
-        import signal, time, psutil
+        import faulthandler, signal, time, psutil
         from minivllm import LLM, SamplingParams
         if __name__ == "__main__":
             signal.signal(signal.SIGINT, signal.default_int_handler)   # as in a terminal (a launcher may ignore it)
+            faulthandler.register(signal.SIGUSR1, all_threads=True)    # where it is, if the test finds it stuck
             llm = LLM({model!r}, tensor_parallel_size=2, **{engine!r})
             greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
             first = llm.generate([{first_prompt!r}], greedy, use_tqdm=False)[0].outputs[0].token_ids
@@ -367,12 +379,12 @@ def check_ctrl_c(tmp_path, model: str, engine: dict, first_prompt, loop_prompt) 
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)   # its own process group: the signal reaches the workers too
     try:
-        line = proc.stdout.readline()
+        line = next_line(proc, 150)
         assert line.strip() == "ready", line + proc.stderr.read()[-3000:]
         time.sleep(2.0)
         sent = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
-        line = proc.stdout.readline()
+        line = next_line(proc, 30)
         assert line.startswith("interrupted after"), line + proc.stderr.read()[-3000:]
         assert time.monotonic() - sent < 10
         out, err = proc.communicate(timeout=120)
