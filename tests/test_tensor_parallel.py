@@ -15,6 +15,7 @@ Every test that could hang has a time cap.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import select
@@ -86,11 +87,25 @@ def assert_same(ours, theirs) -> None:
 
 
 def run_script(tmp_path, body: str, timeout: float, **popen) -> subprocess.CompletedProcess:
+    """Run `body` as a script; past `timeout` seconds, SIGTERM to its process group (torchrun passes it on to its ranks;
+    a script that registered faulthandler for it prints its stacks), SIGKILL to what is left 40 s later, and fail."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(body))
     env = {k: v for k, v in os.environ.items() if k != "MINIVLLM_TP_FAIL"} | popen.pop("env", {})
-    return subprocess.run([sys.executable, *popen.pop("args", []), str(script)], capture_output=True, text=True,
-                          timeout=timeout, env=env, **popen)
+    args = [sys.executable, *popen.pop("args", []), str(script)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True, **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]   # (torchrun's ranks
+        os.killpg(proc.pid, signal.SIGTERM)                                    # have sessions of their own)
+        for straggler in psutil.wait_procs(family, timeout=40)[1]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                straggler.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(args[1:])} did not end within {timeout:.0f} s:\n{out[-2000:]}\n{err[-6000:]}")
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 # ---------------------------------------------------------------- the step message (no processes)
