@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=1800
 
-.PHONY: venv test test-unit test-browser test-notebooks check-export shape export demo lab notebooks clean
+.PHONY: venv test test-unit test-browser test-gpu test-notebooks check-export shape export demo lab notebooks clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ test-unit: venv
 ## (needs the distribution's chromium and chromium-driver: `apt-get install chromium chromium-driver`)
 test-browser: venv
 	MINIVLLM_REQUIRE_BROWSER=1 $(PY) -m pytest tests/test_browser.py -m browser
+
+## make test-gpu: the tests marked gpu (kernels, greedy parity under CUDA graphs, ...); the tensor-parallel ones need
+## two GPUs and skip on one
+test-gpu: venv
+	$(PY) -m pytest -m gpu tests
 
 test-notebooks: venv
 	$(PY) -m pytest $(NBVAL) notebooks/
