@@ -5,9 +5,9 @@ __all__ = []
 
 # %% ../notebooks/10_llm_engine.ipynb #305420ff
 from .llm import LLM
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import SamplingParams
 from .tiny_model import TINY_MODEL_PATH
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TINY_MODEL_PATH"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "TINY_MODEL_PATH"]
 __version__ = "0.1.0"

@@ -22,10 +22,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=TINY_MODEL_PATH, help="a Qwen3 checkpoint folder (default: the tiny model)")
     ap.add_argument("--demo", action="store_true", help="complete a few code prompts and report the throughput")
     for flag, kind, default in (("--max-tokens", int, 64), ("--temperature", float, 0.0), ("--top-p", float, 1.0),
-                                ("--top-k", int, -1), ("--min-p", float, 0.0), ("--seed", int, None)):
+                                ("--top-k", int, 0), ("--min-p", float, 0.0), ("--seed", int, None),
+                                ("--presence-penalty", float, 0.0), ("--frequency-penalty", float, 0.0),
+                                ("--repetition-penalty", float, 1.0)):
         ap.add_argument(flag, type=kind, default=default)   # the sampling parameters
     ap.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     ap.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+    ap.add_argument("--no-thinking", action="store_true", help="with --chat: Qwen3 answers without thinking first")
     ap.add_argument("--no-stream", action="store_true", help="print a single prompt's completion at the end")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
@@ -34,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 # %% auto #0
-__all__ = ['DEMO_PROMPTS', 'parse_args', 'read_prompts', 'main']
+__all__ = ['DEMO_PROMPTS', 'parse_args', 'read_prompts', 'main', 'chat_kwargs', 'stream', 'complete']
 
 # %% ../notebooks/10_llm_engine.ipynb #f1220a02
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -52,30 +55,47 @@ def main(argv: list[str] | None = None) -> int:
         print("give prompts as arguments or one per line on stdin (or --demo)", file=sys.stderr)
         return 2
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
+                            seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            repetition_penalty=args.repetition_penalty)
     with LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
              enforce_eager=args.enforce_eager) as llm:
-        if args.chat:
-            template = llm.get_tokenizer().apply_chat_template
-            prompts = [template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-                       for p in prompts]
         start = time.perf_counter()
-        if len(prompts) == 1 and not args.no_stream:
-            print(prompts[0], end="", flush=True)
-            n = 0
-            for delta in llm.stream(prompts[0], params):
-                print(delta.outputs[0].text, end="", flush=True)
-                n += len(delta.outputs[0].token_ids)
-            print()
-        else:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            for out in outputs:
-                print(f"--- {out.prompt!r}\n{out.prompt}{out.outputs[0].text}  [{out.outputs[0].finish_reason}]")
-            n = sum(len(o.outputs[0].token_ids) for o in outputs)
+        n = stream(llm, prompts[0], params, args) if len(prompts) == 1 and not args.no_stream else \
+            complete(llm, prompts, params, args)
         seconds = time.perf_counter() - start
     print(f"\n{len(prompts)} prompt(s), {n} tokens generated in {seconds:.2f} s: {n / seconds:,.0f} tok/s",
           file=sys.stderr)
     return 0
+
+
+def chat_kwargs(args: argparse.Namespace) -> dict | None:
+    return {"enable_thinking": False} if args.no_thinking else None
+
+
+def stream(llm: LLM, prompt: str, params: SamplingParams, args: argparse.Namespace) -> int:
+    "Print the completion of one prompt as it is generated; the number of tokens."
+    if args.chat:   # the prompt LLM.chat would generate from
+        prompt = llm.chat_prompts([{"role": "user", "content": prompt}], chat_template_kwargs=chat_kwargs(args))[0]
+    print(prompt, end="", flush=True)
+    n = 0
+    for delta in llm.stream(prompt, params):
+        print(delta.outputs[0].text, end="", flush=True)
+        n += len(delta.outputs[0].token_ids)
+    print()
+    return n
+
+
+def complete(llm: LLM, prompts: list[str], params: SamplingParams, args: argparse.Namespace) -> int:
+    "Print each prompt's completion once all are done; the number of tokens."
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False,
+                           chat_template_kwargs=chat_kwargs(args))
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for out in outputs:
+        print(f"--- {out.prompt!r}\n{out.prompt}{out.outputs[0].text}  [{out.outputs[0].finish_reason}]")
+    return sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
 if __name__ == "__main__" and "ipykernel" not in sys.modules:  # not when this cell runs in the notebook

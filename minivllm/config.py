@@ -9,9 +9,11 @@ import os
 from dataclasses import dataclass, field, fields
 
 import torch
+from fastcore.basics import patch
 from transformers import PretrainedConfig
 
 from .kernels.backends import select_backend
+from .models.hub import resolve_model
 from .models.registry import load_config
 
 
@@ -20,7 +22,8 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 # %% auto #0
-__all__ = ['resolve_device', 'resolve_dtype', 'check_types', 'check_sizes', 'Config', 'takes_engine_arguments']
+__all__ = ['GENERATION_FIELDS', 'resolve_device', 'resolve_dtype', 'check_types', 'check_sizes', 'Config',
+           'takes_engine_arguments']
 
 # %% ../notebooks/09_model_runner.ipynb #0d0c6da5
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,7 +70,7 @@ def check_types(cfg) -> None:
     for names, kinds, want in ((("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill",
                                  "skip_tokenizer_init", "async_scheduling"), bool, "True or False"),
                                (("gpu_memory_utilization", "cpu_kvcache_space_gib"), (int, float), "a number"),
-                               (("dtype", "device"), str, "a string")):
+                               (("dtype", "device", "generation_config"), str, "a string")):
         for name in names:
             value = getattr(cfg, name)
             if not isinstance(value, kinds) or isinstance(value, bool) and kinds is not bool:   # a bool is no number
@@ -101,6 +104,10 @@ def check_sizes(cfg) -> None:
            f"tensor_parallel_size {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
 
 # %% ../notebooks/09_model_runner.ipynb #a14b4343
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}   # as vLLM reads them
+
+
 @dataclass
 class Config:
     "The settings of one engine (vLLM's names), validated when it is made."
@@ -122,17 +129,22 @@ class Config:
     attention_backend: str | None = None        # torch | triton | flash_attn; None: chosen once, here
     skip_tokenizer_init: bool = False           # token ids in, token ids out (no text)
     async_scheduling: bool = True               # launch the next decode step before collecting this one
+    generation_config: str = "auto"             # auto: default sampling from generation_config.json; vllm: ignore it
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
 
     def __post_init__(self):
         check_types(self)
         self.model = os.fspath(self.model) if isinstance(self.model, os.PathLike) else self.model
-        self.hf_config = self.hf_config or load_config(self.model)
+        if self.hf_config is None:   # (given one, the caller knows where the model is)
+            self.model = resolve_model(self.model)   # a Hub id -> its folder in the local cache (notebook 08)
+            self.hf_config = load_config(self.model)
         self.device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
         if self.max_model_len is None:
             self.max_model_len = min(4096, self.hf_config.max_position_embeddings)
         check_sizes(self)
+        _check(self.generation_config in ("auto", "vllm"),
+               f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         self.attention_backend = select_backend(self.device, self.block_size, self.attention_backend)
 
     @classmethod
@@ -148,13 +160,29 @@ class Config:
         "Whether decode steps may read a prefix that all their sequences share once (notebook 06: Triton only)."
         return self.enable_prefix_caching and self.attention_backend == "triton"
 
-    @property
-    def eos_token_ids(self) -> list[int]:
-        "The end-of-sequence ids: generation_config.json's if there is one, else config.json's."
-        path = os.path.join(self.model, "generation_config.json")
-        ids = json.load(open(path)).get("eos_token_id") if os.path.isfile(path) else None
-        ids = self.hf_config.eos_token_id if ids is None else ids
-        return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+# %% ../notebooks/09_model_runner.ipynb #a14b4344
+@patch(as_prop=True)
+def generation_defaults(self: Config) -> dict:
+    "generation_config.json (when there is one), or {}."
+    path = os.path.join(self.model, "generation_config.json")
+    return json.load(open(path)) if os.path.isfile(path) else {}
+
+
+@patch(as_prop=True)
+def eos_token_ids(self: Config) -> list[int]:
+    "The end-of-sequence ids: generation_config.json's if there is one, else config.json's."
+    ids = self.generation_defaults.get("eos_token_id")
+    ids = self.hf_config.eos_token_id if ids is None else ids
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+
+
+@patch(as_prop=True)
+def default_sampling_params(self: Config) -> dict:
+    "vLLM's generation_config='auto': the sampling fields the checkpoint sets, as SamplingParams' arguments."
+    if self.generation_config == "vllm":
+        return {}
+    given = self.generation_defaults
+    return {ours: given[theirs] for theirs, ours in GENERATION_FIELDS.items() if given.get(theirs) is not None}
 
 # %% ../notebooks/09_model_runner.ipynb #3c4dc650
 def takes_engine_arguments(init):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Sequence as SequenceABC
 from numbers import Integral
 
@@ -71,6 +72,10 @@ class LLM:
     def get_tokenizer(self):
         return self._engine().tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        "What `generate` uses when given no SamplingParams: the checkpoint's generation_config.json over vLLM's."
+        return dataclasses.replace(self._engine().default_params)
+
     def _run(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         engine, prompts = self._engine(), as_prompt_list(prompts)
         params = params_list(sampling_params, len(prompts))
@@ -105,7 +110,16 @@ class LLM:
 def chat(self: LLM, messages: list[dict] | list[list[dict]],
          sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
          add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-    "Apply the tokenizer's chat template to one conversation or a list of them, then generate."
+    """Apply the tokenizer's chat template to one conversation or a list of them, then generate.
+    `chat_template_kwargs` go to the template: Qwen3 answers without thinking first with {"enable_thinking": False}."""
+    return self._run(self.chat_prompts(messages, add_generation_prompt, chat_template_kwargs), sampling_params,
+                     use_tqdm)
+
+
+@patch
+def chat_prompts(self: LLM, messages: list[dict] | list[list[dict]], add_generation_prompt: bool = True,
+                 chat_template_kwargs: dict | None = None) -> list[str]:
+    "The prompts `chat` generates from: each conversation through the tokenizer's chat template."
     tokenizer = self.get_tokenizer()
     if tokenizer is None:
         raise ValueError("chat() needs a tokenizer (the engine was made with skip_tokenizer_init=True)")
@@ -114,9 +128,8 @@ def chat(self: LLM, messages: list[dict] | list[list[dict]],
         if not (isinstance(c, list) and c and all(isinstance(m, dict) for m in c)):
             raise TypeError(f"chat() takes a conversation (a list of message dicts such as {{'role': 'user', "
                             f"'content': 'Hi'}}) or a list of them; conversation {i} is {c!r:.60}")
-    prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **(chat_template_kwargs or {})) for c in conversations]
-    return self._run(prompts, sampling_params, use_tqdm)
+    return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                          **(chat_template_kwargs or {})) for c in conversations]
 
 
 @patch

@@ -7,13 +7,21 @@ from dataclasses import dataclass
 
 
 @dataclass
+class Logprob:
+    "A token's log-probability, its rank in the vocabulary (1: the most likely) and its text (vLLM's fields)."
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     "One generated completion (vLLM's fields)."
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None   # per token: the sampled one and the top `logprobs`
     finish_reason: str | None = None        # "stop" | "length" | "abort"; None while running
     stop_reason: int | str | None = None    # the stop token id or stop string that ended it
 
@@ -53,6 +61,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0              # prompt tokens found in the prefix cache
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # per prompt token (None for the first one)
 
     def __repr__(self) -> str:
         out = self.outputs[0]
@@ -60,4 +69,4 @@ class RequestOutput:
                 f"token_ids={out.token_ids}, finish_reason={out.finish_reason!r}, finished={self.finished})")
 
 # %% auto #0
-__all__ = ['CompletionOutput', 'RequestMetrics', 'RequestOutput']
+__all__ = ['Logprob', 'CompletionOutput', 'RequestMetrics', 'RequestOutput']

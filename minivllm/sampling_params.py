@@ -3,8 +3,11 @@
 # %% ../notebooks/01_sequence.ipynb #98e2a7f7
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from numbers import Integral, Real
+
+from fastcore.basics import patch
 
 _SAMPLING_EPS = 1e-5  # below this temperature, sampling is greedy (vLLM uses the same threshold)
 
@@ -18,59 +21,59 @@ def _check_type(name: str, value, kinds: tuple, allow_none: bool = False):
         want = " or ".join(names.get(k, k.__name__) for k in kinds) + (" or None" if allow_none else "")
         raise TypeError(f"SamplingParams.{name} must be {want}, got {type(value).__name__} {value!r}")
 
+
+def _token_ids(name: str, ids) -> list[int]:
+    "A new list of the token ids (ints >= 0) in `ids`, or a TypeError / ValueError naming the field."
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError(f"SamplingParams.{name} must be a list of ints, got {type(ids).__name__}")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, Integral) or t < 0:
+            raise ValueError(f"SamplingParams.{name} must hold token ids >= 0, got {t!r}")
+    return [int(t) for t in ids]
+
 # %% auto #0
-__all__ = ['SamplingParams']
+__all__ = ['UNSUPPORTED', 'SamplingParams']
 
 # %% ../notebooks/01_sequence.ipynb #50c9a60d
 @dataclass
 class SamplingParams:
     "How to sample the tokens of one request (vLLM's field names and defaults)."
+    n: int = 1                                  # parallel samples of the prompt (notebook 10)
+    presence_penalty: float = 0.0               # penalties and logit changes: notebook 07
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)   # set by the engine
 
     def __post_init__(self):
-        for name, kind, allow_none in (("temperature", Real, False), ("top_p", Real, False), ("top_k", Integral, False),
-                                       ("min_p", Real, False), ("seed", Integral, True), ("max_tokens", Integral, True),
-                                       ("ignore_eos", bool, False), ("logprobs", Integral, True)):
+        for name, kind, allow_none in (
+                ("n", Integral, False), ("presence_penalty", Real, False), ("frequency_penalty", Real, False),
+                ("repetition_penalty", Real, False), ("temperature", Real, False), ("top_p", Real, False),
+                ("top_k", Integral, False), ("min_p", Real, False), ("seed", Integral, True),
+                ("include_stop_str_in_output", bool, False), ("ignore_eos", bool, False),
+                ("max_tokens", Integral, True), ("min_tokens", Integral, False), ("logprobs", Integral, True),
+                ("prompt_logprobs", Integral, True), ("skip_special_tokens", bool, False),
+                ("spaces_between_special_tokens", bool, False)):
             _check_type(name, getattr(self, name), (kind,), allow_none)
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise TypeError(f"SamplingParams.stop must be a non-empty string or a list of them, got {s!r}")
-        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
-            raise TypeError(f"SamplingParams.stop_token_ids must be a list of ints, "
-                            f"got {type(self.stop_token_ids).__name__}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, Integral) or t < 0:
-                raise ValueError(f"SamplingParams.stop_token_ids must hold token ids >= 0, got {t!r}")
+        self._normalize_lists()
         self._check_ranges()
-
-    def _check_ranges(self):
-        if not self.temperature >= 0 or self.temperature == float("inf"):
-            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"SamplingParams.top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k}")
-        if self.top_k >= 2**63:   # the sampler holds top_k in an int64 tensor
-            raise ValueError(f"SamplingParams.top_k must be below 2**63 (-1: all tokens), got {self.top_k}")
-        if self.seed is not None and not -2**63 <= self.seed < 2**64:   # torch.Generator.manual_seed's range
-            raise ValueError(f"SamplingParams.seed must fit in 64 bits, got {self.seed}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be at least 1, got {self.max_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"SamplingParams.logprobs must be >= 0, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -80,3 +83,87 @@ class SamplingParams:
     @property
     def top_k_enabled(self) -> bool:
         return self.top_k > 0
+
+# %% ../notebooks/01_sequence.ipynb #c2f1a7d0
+@patch
+def _normalize_lists(self: SamplingParams) -> None:
+    "`stop` and `bad_words` as lists of non-empty strings; token ids as lists of ints; `logit_bias` as {int: float}."
+    self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    self.bad_words = list(self.bad_words or [])
+    for name in ("stop", "bad_words"):
+        for s in getattr(self, name):
+            if not isinstance(s, str) or not s:
+                raise TypeError(f"SamplingParams.{name} must be a non-empty string or a list of them, got {s!r}")
+    self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids or [])
+    if self.allowed_token_ids is not None:
+        self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
+        if not self.allowed_token_ids:
+            raise ValueError("SamplingParams.allowed_token_ids is empty: no token could be sampled (None: all)")
+    if self.logit_bias is not None:
+        if not isinstance(self.logit_bias, dict):
+            raise TypeError(f"SamplingParams.logit_bias must be a dict token id -> bias, "
+                            f"got {type(self.logit_bias).__name__}")
+        for bias in self.logit_bias.values():
+            _check_type("logit_bias values", bias, (Real,))
+        self.logit_bias = dict(zip(_token_ids("logit_bias keys", list(self.logit_bias)),
+                                   map(float, self.logit_bias.values())))
+
+# %% ../notebooks/01_sequence.ipynb #c2f1a7d1
+@patch
+def _check_ranges(self: SamplingParams) -> None:
+    if self.n < 1:
+        raise ValueError(f"SamplingParams.n must be at least 1, got {self.n}")
+    if not self.temperature >= 0 or self.temperature == float("inf"):
+        raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+        raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+    if not -1 <= self.top_k < 2**63:   # (the sampler holds top_k in an int64 tensor)
+        raise ValueError(f"SamplingParams.top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}")
+    if self.seed is not None and not -2**63 <= self.seed < 2**64:   # torch.Generator.manual_seed's range
+        raise ValueError(f"SamplingParams.seed must fit in 64 bits, got {self.seed}")
+    if not 0 <= self.min_p <= 1:
+        raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(self, name) <= 2:
+            raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
+    if not 0 < self.repetition_penalty < float("inf"):
+        raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0 (1: off), "
+                         f"got {self.repetition_penalty}")
+    if self.max_tokens is not None and self.max_tokens < 1:
+        raise ValueError(f"SamplingParams.max_tokens must be at least 1, got {self.max_tokens}")
+    if not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
+        raise ValueError(f"SamplingParams.min_tokens must be >= 0 and at most max_tokens ({self.max_tokens}), "
+                         f"got {self.min_tokens}")
+    for name in ("logprobs", "prompt_logprobs"):
+        if (getattr(self, name) or 0) < 0:
+            raise ValueError(f"SamplingParams.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@patch(as_prop=True)
+def needs_penalties(self: SamplingParams) -> bool:
+    return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+@patch(as_prop=True)
+def changes_logits(self: SamplingParams) -> bool:
+    "Are the logits changed before sampling (penalties, min_tokens, bad words, logit_bias, allowed_token_ids)?"
+    return bool(self.needs_penalties or self.min_tokens or self.bad_words or self.logit_bias
+                or self.allowed_token_ids is not None)
+
+# %% ../notebooks/01_sequence.ipynb #c2f1a7d2
+UNSUPPORTED = {   # vLLM's other fields, with the value that means "not used"
+    "structured_outputs": None, "guided_decoding": None, "logits_processors": None, "truncate_prompt_tokens": None,
+    "extra_args": None, "best_of": None, "output_kind": None, "detokenize": True, "flat_logprobs": False}
+
+
+def _reject_unsupported(init):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for name, neutral in UNSUPPORTED.items():
+            if name in kwargs and kwargs.pop(name) != neutral:
+                raise ValueError(f"SamplingParams.{name} is a vLLM field that minivllm does not support")
+        init(self, *args, **kwargs)
+    return __init__
+
+
+SamplingParams.__init__ = _reject_unsupported(SamplingParams.__init__)

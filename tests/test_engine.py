@@ -210,7 +210,7 @@ B_STREAM = (vocab_prompts(1, 5)[0], SamplingParams(temperature=0.8, max_tokens=1
 
 def drive(engine, prompts, params, between=None) -> list[list[int]]:
     "Add the requests to the engine and step it until they finish (calling `between()` before each step)."
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
     got = {}
     while engine.has_unfinished_requests():
         if between is not None:
@@ -368,7 +368,7 @@ def test_gpu_collect_waits_for_its_own_step_not_for_work_queued_after_it():
     llm = LLM(TINY_MODEL_PATH, **GPU_ENGINE)
     engine = llm.llm_engine
     try:
-        engine.add_request("def fibonacci(n):\n    ", SamplingParams(temperature=0, max_tokens=8))
+        engine.add_request(None, "def fibonacci(n):\n    ", SamplingParams(temperature=0, max_tokens=8))
         handle = engine.executor.launch(engine.builder.build(engine.scheduler.schedule()))
         torch.cuda._sleep(2_000_000_000)   # about a second of GPU work queued behind the step, like a step launched ahead
         after = torch.cuda.current_stream().record_event()

@@ -160,7 +160,7 @@ def test_params_are_copied_when_accepted(llm):
     "Changing a SamplingParams after the call started cannot reach the running request."
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=5)
-    request_id = engine.add_request([1, 2, 3], params)
+    request_id = engine.add_request(None, [1, 2, 3], params)
     params.max_tokens = 1
     outputs = []
     while engine.has_unfinished_requests():
@@ -172,12 +172,12 @@ def test_params_are_copied_when_accepted(llm):
 def test_engine_add_request_validates_too(llm):
     engine = llm.llm_engine
     with pytest.raises(ValueError, match="request 'r1' is empty"):
-        engine.add_request([], request_id="r1")
+        engine.add_request("r1", [])
     with pytest.raises(TypeError, match="request: sampling params must be a SamplingParams, got dict"):
-        engine.add_request("x", {"temperature": 0})
-    engine.add_request("x", GREEDY, request_id="r1")
+        engine.add_request(None, "x", {"temperature": 0})
+    engine.add_request("r1", "x", GREEDY)
     with pytest.raises(ValueError, match="request id 'r1' is already in use"):
-        engine.add_request("y", GREEDY, request_id="r1")
+        engine.add_request("r1", "y", GREEDY)
     engine.abort_request("r1")
     assert_clean(engine)
 
@@ -185,9 +185,9 @@ def test_engine_add_request_validates_too(llm):
 def test_generate_ids_do_not_collide_with_callers_ids(llm, expected):
     "A caller's own request id that looks like an automatic one ('0', '1', ...) is skipped, not a failure."
     engine = llm.llm_engine
-    probe = engine.add_request([1], GREEDY)   # the next automatic id
+    probe = engine.add_request(None, [1], GREEDY)   # the next automatic id
     engine.abort_request(probe)
-    taken = [engine.add_request([1, 2], SamplingParams(temperature=0, max_tokens=1), request_id=str(int(probe) + i))
+    taken = [engine.add_request(str(int(probe) + i), [1, 2], SamplingParams(temperature=0, max_tokens=1))
              for i in range(1, 6)]
     outputs = llm.generate(GOOD, GREEDY, use_tqdm=False)
     assert token_ids(outputs) == expected and not {o.request_id for o in outputs} & set(taken)
@@ -202,7 +202,7 @@ def test_longest_prompt_generates_exactly_one_token(llm):
     engine = llm.llm_engine
     with pytest.raises(ValueError, match=f"request has {MAX_MODEL_LEN} tokens; with max_model_len={MAX_MODEL_LEN} "
                                          f"a prompt may have at most {MAX_MODEL_LEN - 1}"):
-        engine.add_request([7] * MAX_MODEL_LEN, GREEDY)
+        engine.add_request(None, [7] * MAX_MODEL_LEN, GREEDY)
     assert_clean(engine)
 
 
@@ -471,7 +471,7 @@ def test_stream_stopped_early_frees_its_request(llm, expected, num_deltas):
     assert_clean(llm.llm_engine)
     assert_works(llm, expected)
     engine = llm.llm_engine   # and stepping by hand works too
-    request_id = engine.add_request(GOOD[1], GREEDY)
+    request_id = engine.add_request(None, GOOD[1], GREEDY)
     outputs = []
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.finished]
@@ -483,8 +483,8 @@ def test_stream_stopped_early_frees_its_request(llm, expected, num_deltas):
 def test_abort_while_running(llm, expected, abort_after):
     "A request aborted between steps leaves at once; the others go on to the same tokens."
     engine = llm.llm_engine
-    ids = [engine.add_request(p, GREEDY) for p in GOOD]
-    victim = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=20))
+    ids = [engine.add_request(None, p, GREEDY) for p in GOOD]
+    victim = engine.add_request(None, [1, 2, 3], SamplingParams(temperature=0, max_tokens=20))
     done = {}
     for step in range(1000):
         if step == abort_after:
@@ -500,8 +500,8 @@ def test_abort_while_running(llm, expected, abort_after):
 def test_abort_takes_one_id_or_a_list(llm, expected):
     "vLLM's abort_request takes a request id or a list of them; ids that are unknown or already ended are ignored."
     engine = llm.llm_engine
-    keep = engine.add_request(GOOD[0], GREEDY)
-    victims = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=20)) for p in ([1, 2, 3], [4, 5], [6])]
+    keep = engine.add_request(None, GOOD[0], GREEDY)
+    victims = [engine.add_request(None, p, SamplingParams(temperature=0, max_tokens=20)) for p in ([1, 2, 3], [4, 5], [6])]
     engine.step()
     engine.abort_request(victims[:2] + ["no such request", victims[0]])
     engine.abort_request(victims[2])
@@ -529,7 +529,7 @@ def test_step_can_be_retried_after_a_fault(llm, expected, monkeypatch):
     "Driving LLMEngine by hand: a failed step keeps the requests; the next step() carries on from where it was."
     engine = llm.llm_engine
     fail_once(monkeypatch, *runner_step(engine), RuntimeError, after=3)
-    ids = [engine.add_request(p, GREEDY) for p in GOOD]
+    ids = [engine.add_request(None, p, GREEDY) for p in GOOD]
     done, faults = {}, 0
     while engine.has_unfinished_requests():
         try:
@@ -544,7 +544,7 @@ def test_step_can_be_retried_after_a_fault(llm, expected, monkeypatch):
 def test_fault_keeps_the_callers_own_requests(llm, expected, monkeypatch):
     "generate() aborts only its own requests; one queued with add_request stays, and can still finish."
     engine = llm.llm_engine
-    mine = engine.add_request([1, 2, 3], GREEDY, request_id="mine")
+    mine = engine.add_request("mine", [1, 2, 3], GREEDY)
     fail_once(monkeypatch, *runner_step(engine), KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(GOOD, GREEDY, use_tqdm=False)

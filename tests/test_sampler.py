@@ -504,8 +504,9 @@ def test_logprobs_are_the_raw_log_softmax():
         d = per_row[row]
         assert next(iter(d)) == int(ids[row])                      # the sampled token first
         assert set(d) == {int(ids[row])} | set(top.indices[row, :n].tolist())
-        for tok, lp in d.items():
+        for tok, (lp, rank) in d.items():
             assert lp == pytest.approx(float(ref[row, tok]), abs=1e-5)
+            assert rank == 1 + int((ref[row] > ref[row, tok]).sum())   # vLLM's rank: 1 for the most likely token
     assert len(per_row[3]) == 5  # greedy: the sampled token is the most likely one, so no extra entry
 
 
@@ -516,7 +517,8 @@ def test_logprobs_of_low_precision_logits_and_large_n():
     assert lt.logprobs.dtype == torch.float32 and lt.token_ids.shape == (2, 9)
     d = lt.tolists([100, 2])
     assert len(d[0]) == 8 and len(d[1]) in (2, 3)
-    assert sum(math.exp(v) for v in d[0].values()) == pytest.approx(1.0, abs=1e-5)
+    assert sum(math.exp(lp) for lp, _ in d[0].values()) == pytest.approx(1.0, abs=1e-5)
+    assert sorted(rank for _, rank in d[0].values()) == list(range(1, 9))
 
 
 def test_cumulative_logprob_as_the_engine_adds_it():
@@ -528,7 +530,7 @@ def test_cumulative_logprob_as_the_engine_adds_it():
         s, gens = cache.batch(np.array([0]))
         ids = sampler(logits, s, gens, cache.generator)
         d = gather_logprobs(logits, ids, s.max_num_logprobs).tolists(s.num_logprobs)[0]
-        cumulative += d[int(ids[0])]
+        cumulative += d[int(ids[0])][0]
         expected += float(torch.log_softmax(logits.double(), -1)[0, ids[0]])
     assert cumulative == pytest.approx(expected, abs=1e-4)
 

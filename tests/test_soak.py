@@ -1,7 +1,7 @@
 """Soak test (project issue 8): 3,000 random requests through one engine on the tiny model.
 
 The requests mix every feature (greedy, temperature, top-k / top-p / min-p, seeds, stop strings, stop token ids,
-logprobs, ignore_eos, max_tokens up to max_model_len), prompts of every length (token ids, text, a shared prefix for the
+logprobs, ignore_eos, max_tokens up to max_model_len, penalties, min_tokens, logit_bias), prompts of every length (token ids, text, a shared prefix for the
 prefix cache), and every way in: `LLM.generate` batches, `LLMEngine.add_request` + `step`, and `LLM.stream` (some
 streams abandoned half-way). A KV cache of 12 sequences' worth for up to 32 running sequences keeps it preempting.
 
@@ -76,6 +76,13 @@ def random_params(rng: random.Random) -> SamplingParams:
     if rng.random() < 0.2:
         kw["logprobs"] = rng.randint(0, 3)
     kw["ignore_eos"] = rng.random() < 0.3
+    if rng.random() < 0.15:   # the logits processors: their token history lives on through preemptions
+        kw.update(presence_penalty=rng.uniform(-1, 2), frequency_penalty=rng.uniform(0, 1),
+                  repetition_penalty=rng.uniform(0.8, 1.5))
+    if rng.random() < 0.1:
+        kw["min_tokens"] = rng.randint(0, kw["max_tokens"] or 16)
+    if rng.random() < 0.05:
+        kw["logit_bias"] = {rng.randrange(VOCAB): rng.uniform(-5, 5) for _ in range(3)}
     return SamplingParams(**kw)
 
 
@@ -103,12 +110,14 @@ class Checker:
         assert c.finish_reason in ("stop", "length"), c
         limit = min(params.max_tokens or math.inf, MAX_MODEL_LEN - len(prompt_ids))
         assert 1 <= n <= limit, (n, limit)
+        assert c.finish_reason == "length" or n > params.min_tokens, "stopped before min_tokens"
         if c.finish_reason == "length":
             assert n == limit and c.stop_reason is None
         elif isinstance(c.stop_reason, int):
             assert ids[-1] == c.stop_reason and c.stop_reason in params.stop_token_ids
         elif isinstance(c.stop_reason, str):
-            assert c.stop_reason in params.stop and not any(s in c.text for s in params.stop)
+            assert c.stop_reason in params.stop   # (a stop string within the first min_tokens tokens stops nothing)
+            assert params.min_tokens or not any(s in c.text for s in params.stop)
         else:
             assert ids[-1] in self.eos and not params.ignore_eos
         stoppers = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos)
@@ -119,8 +128,8 @@ class Checker:
             assert len(c.logprobs) == n
             for token, entry in zip(ids, c.logprobs):
                 assert token in entry and len(entry) <= params.logprobs + 1
-                assert all(lp <= 1e-4 for lp in entry.values())
-            assert c.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(ids, c.logprobs)), abs=1e-3)
+                assert all(lp.logprob <= 1e-4 and lp.rank >= 1 for lp in entry.values())
+            assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(ids, c.logprobs)), abs=1e-3)
         key = self.key(prompt, params)
         if key is not None:
             if key in self.repeatable:
@@ -185,7 +194,7 @@ def test_soak():
             batch = {}
             for _ in range(rng.randint(1, 32)):
                 prompt, params = next_request()
-                batch[engine.add_request(prompt, params)] = (prompt, params)
+                batch[engine.add_request(None, prompt, params)] = (prompt, params)
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:

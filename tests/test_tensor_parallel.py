@@ -38,6 +38,7 @@ from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
 from minivllm.config import Config
 from minivllm.distributed.launch import (COMM_ENV, TorchrunEnv, join_group, leave_group, master_store, set_comm_env,
                                          torchrun_env)
+from minivllm.distributed.step_broadcast import HEADER_WORDS
 from minivllm.engine.batch_builder import prepare_step
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence
@@ -78,12 +79,25 @@ def reference():
         torch.set_num_threads(threads)
 
 
+FEATURES = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2, repetition_penalty=1.2, n=2)
+
+
+def assert_same_features(ours, theirs) -> None:
+    "Parallel samples, a penalty and prompt logprobs: the same tokens, the same prompt log-probabilities."
+    for a, b in zip(ours, theirs, strict=True):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        for x, y in zip(a.prompt_logprobs, b.prompt_logprobs, strict=True):
+            assert (x is None) == (y is None) and (x is None or x.keys() == y.keys())
+            assert x is None or np.allclose([v.logprob for v in x.values()], [v.logprob for v in y.values()], atol=1e-4)
+
+
 def assert_same(ours, theirs) -> None:
     for a, b in zip(ours, theirs, strict=True):
         assert a.token_ids == b.token_ids
         for lp_a, lp_b in zip(a.logprobs, b.logprobs, strict=True):
             assert lp_a.keys() == lp_b.keys()
-            assert np.allclose(list(lp_a.values()), list(lp_b.values()), atol=1e-4)
+            assert np.allclose([v.logprob for v in lp_a.values()], [v.logprob for v in lp_b.values()], atol=1e-4)
+            assert [v.rank for v in lp_a.values()] == [v.rank for v in lp_b.values()]
 
 
 def run_script(tmp_path, body: str, timeout: float, **popen) -> subprocess.CompletedProcess:
@@ -122,7 +136,7 @@ def mixed_step() -> StepInputs:
 
 def assert_round_trip(x: StepInputs) -> None:
     header, packed = x.header(), x.pack()
-    assert packed.dtype == np.uint8 and len(packed) == step_nbytes(x.sizes)
+    assert packed.dtype == np.uint8 and len(packed) == step_nbytes(x.sizes) and len(header) + 2 == HEADER_WORDS
     y = StepInputs.unpack(header, packed)
     for name, _, _ in STEP_FIELDS:
         ours, theirs = getattr(x, name), getattr(y, name)
@@ -147,6 +161,7 @@ def test_step_round_trip_of_any_sizes_and_values(data):
     b = data.draw(st.integers(1, min(n, 12)))
     w = data.draw(st.integers(1, 9))
     s = data.draw(st.integers(0, b))
+    p = data.draw(st.integers(0, n))   # prompt rows whose log-probabilities were asked for
     big = st.integers(-(2**62), 2**62)
     arr64 = lambda k: np.array(data.draw(st.lists(big, min_size=k, max_size=k)), dtype=np.int64)  # noqa: E731
     arr32 = lambda k: np.array(data.draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=k, max_size=k)),  # noqa
@@ -155,7 +170,7 @@ def test_step_round_trip_of_any_sizes_and_values(data):
                    seq_ids=arr64(s), cu_seqlens_q=arr32(b + 1), cu_seqlens_k=arr32(b + 1), context_lens=arr32(b),
                    block_tables=arr32(b * w).reshape(b, w), shared_prefix_len=arr32(1),
                    max_seqlen_q=data.draw(st.integers(1, 10**6)), max_seqlen_k=data.draw(st.integers(1, 10**6)),
-                   ahead=data.draw(st.booleans()))
+                   ahead=data.draw(st.booleans()), prompt_logits_indices=arr64(p), prompt_target_ids=arr64(p))
     assert_round_trip(x)
 
 
@@ -236,6 +251,9 @@ def test_tp2_matches_tp1_and_close_leaves_no_process(reference):
     assert len(our_children() - before) == 2
     assert not dist.is_initialized()   # the engine's own process holds no process group
     assert_same(completions(llm), reference)
+    with LLM(TINY_MODEL_PATH, **ENGINE) as tp1:   # prompt rows through the vocab-parallel LM head, rank 0's history
+        assert_same_features(llm.generate(PROMPTS, FEATURES, use_tqdm=False),
+                             tp1.generate(PROMPTS, FEATURES, use_tqdm=False))
     llm.close()
     assert our_children() == before
     with pytest.raises(RuntimeError, match="closed"):

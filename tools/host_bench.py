@@ -94,7 +94,7 @@ def host_engine(batch: int, prompt_len: int, max_tokens: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for _ in range(batch):
-        engine.add_request(torch.randint(3, config.hf_config.vocab_size, (prompt_len,), generator=g).tolist(), params)
+        engine.add_request(None, torch.randint(3, config.hf_config.vocab_size, (prompt_len,), generator=g).tolist(), params)
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
         engine.step()
     return llm, engine

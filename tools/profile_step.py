@@ -89,7 +89,7 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.steps * 4 + 64, ignore_eos=True)
     prefix = [random.randint(0, 10000) for _ in range(args.shared_prefix)]
     for _ in range(args.batch):
-        engine.add_request(prefix + [random.randint(0, 10000) for _ in range(args.context)], params)
+        engine.add_request(None, prefix + [random.randint(0, 10000) for _ in range(args.context)], params)
     prefill_steps, start = 0, time.perf_counter()
     engine.step()   # the first prefill step, then one profiled
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .parallel_state import TPGroup
 
 STOP, STEP = 0, 1
-HEADER_WORDS = 9   # command, payload bytes, then the step's own header (7 words)
+HEADER_WORDS = 10   # command, payload bytes, then the step's own header (8 words)
 
 
 def send_step(header: list[int], payload: np.ndarray, tp: TPGroup) -> None:

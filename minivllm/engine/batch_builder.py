@@ -27,19 +27,29 @@ def cumsum0(lengths: list[int] | np.ndarray) -> np.ndarray:
     return out
 
 
+def prompt_logprob_positions(seq: Sequence, num_new_tokens: int) -> range:
+    "The positions this step computes whose next token is a prompt token, if the request asked for their logprobs."
+    if seq.sampling_params.prompt_logprobs is None:
+        return range(0)
+    return range(seq.num_computed_tokens, min(seq.num_computed_tokens + num_new_tokens, seq.num_prompt_tokens - 1))
+
+
 def seq_ids(seqs: list[Sequence]) -> np.ndarray:
     return np.fromiter((s.seq_id for s in seqs), dtype=np.int64, count=len(seqs))
 
 # %% auto #0
-__all__ = ['NO_PREFIX', 'block_table_array', 'cumsum0', 'seq_ids', 'prepare_step', 'BlockTables', 'prepare_decode',
-           'BatchBuilder']
+__all__ = ['NO_PREFIX', 'block_table_array', 'cumsum0', 'prompt_logprob_positions', 'seq_ids', 'prepare_step', 'BlockTables',
+           'prepare_decode', 'BatchBuilder']
 
 # %% ../../notebooks/09_model_runner.ipynb #dad81513
 def prepare_step(plan: StepPlan, block_size: int) -> StepInputs:
     "The host arrays of any step: sequence i computes its tokens [num_computed, num_computed + n) of the plan."
-    ids, positions, slots, logits_indices, kv_lens, offset = [], [], [], [], [], 0
+    ids, positions, slots, logits_indices, kv_lens, offset, prompt_rows, targets = [], [], [], [], [], 0, [], []
     for seq, n in zip(plan.seqs, plan.num_new_tokens):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        for p in prompt_logprob_positions(seq, n):   # (the next token may be in the next chunk)
+            prompt_rows.append(offset + p - start)
+            targets.append(seq.token_ids[p + 1])
         pos = np.arange(start, end, dtype=np.int64)
         ids.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
         positions.append(pos)
@@ -53,7 +63,9 @@ def prepare_step(plan: StepPlan, block_size: int) -> StepInputs:
         logits_indices=np.asarray(logits_indices, dtype=np.int64), seq_ids=seq_ids(plan.sampled),
         cu_seqlens_q=cumsum0(plan.num_new_tokens), cu_seqlens_k=cumsum0(kv_lens),
         context_lens=np.asarray(kv_lens, dtype=np.int32), block_tables=block_table_array(plan.seqs),
-        shared_prefix_len=NO_PREFIX, max_seqlen_q=max(plan.num_new_tokens), max_seqlen_k=max(kv_lens))
+        shared_prefix_len=NO_PREFIX, max_seqlen_q=max(plan.num_new_tokens), max_seqlen_k=max(kv_lens),
+        prompt_logits_indices=np.asarray(prompt_rows, dtype=np.int64),
+        prompt_target_ids=np.asarray(targets, dtype=np.int64))
 
 # %% ../../notebooks/09_model_runner.ipynb #d82bbba8
 class BlockTables:

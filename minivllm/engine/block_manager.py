@@ -123,8 +123,8 @@ def block_hashes(self: BlockManager, seq: Sequence, num_blocks: int) -> list[int
 @patch
 def match_prefix(self: BlockManager, seq: Sequence) -> PrefixMatch:
     "The sequence's leading full blocks found in the prefix cache, leaving at least one token to compute."
-    if not self.enable_prefix_caching:
-        return PrefixMatch([], 0)
+    if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+        return PrefixMatch([], 0)   # (a request that wants its prompt's log-probabilities computes every token)
     bs, tokens = self.block_size, seq.token_ids
     num_full = (seq.num_tokens - 1) // bs   # the last token is always computed: its logits are needed
     hashes, hits = self.block_hashes(seq, num_full), []

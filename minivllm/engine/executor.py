@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..config import Config
 from ..sampling_params import SamplingParams
-from .model_runner import ModelRunner, StepHandle
+from .model_runner import ModelRunner, StepHandle, StepLogprobs
 from .step_inputs import StepInputs
 
 
@@ -16,9 +16,9 @@ class Executor:
         self.runner = runner or ModelRunner(config)
         self.num_blocks = self.runner.num_blocks
 
-    def add_request(self, seq_id: int, params: SamplingParams) -> None:
-        "A new request: the sampler keeps its parameters (and its generator, with a seed) until it is freed."
-        self.runner.add_request(seq_id, params)
+    def add_request(self, seq_id: int, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+        "A new request: the sampler keeps its parameters (a generator, a token history) until it is freed."
+        self.runner.add_request(seq_id, params, prompt_token_ids)
 
     def free_request(self, seq_id: int) -> None:
         self.runner.free_request(seq_id)
@@ -26,7 +26,7 @@ class Executor:
     def launch(self, step: StepInputs) -> StepHandle:
         return self.runner.execute(step)
 
-    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, float] | None] | None]:
+    def collect(self, handle: StepHandle) -> tuple[list[int], StepLogprobs | None]:
         return self.runner.collect(handle)
 
     def synchronize(self) -> None:

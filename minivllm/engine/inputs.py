@@ -9,6 +9,7 @@ from numbers import Integral
 
 from transformers import AutoTokenizer
 
+from ..layers.logits_processors import RECENT_TOKENS
 from ..sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -32,7 +33,7 @@ def load_tokenizer(model: str, vocab_size: int):
     return tokenizer
 
 # %% auto #0
-__all__ = ['PromptType', 'TOKENIZER_FILES', 'load_tokenizer', 'prompt_token_ids', 'checked_params']
+__all__ = ['PromptType', 'TOKENIZER_FILES', 'load_tokenizer', 'prompt_token_ids', 'checked_params', 'fit_to_model']
 
 # %% ../../notebooks/10_llm_engine.ipynb #759495ce
 def prompt_token_ids(prompt: PromptType, tokenizer, vocab_size: int, max_model_len: int,
@@ -81,3 +82,24 @@ def checked_params(params: SamplingParams | None, name: str = "prompt") -> Sampl
         return dataclasses.replace(params)   # runs every check of SamplingParams again
     except (TypeError, ValueError) as e:
         raise type(e)(f"{name}: {e}") from None
+
+# %% ../../notebooks/10_llm_engine.ipynb #c6a62da6
+def fit_to_model(params: SamplingParams, tokenizer, vocab_size: int, name: str = "prompt") -> SamplingParams:
+    "Check the token ids in `params` against the vocabulary; tokenize its bad words as vLLM does (in place)."
+    for field in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+        bad = next((t for t in getattr(params, field) or () if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{name}: SamplingParams.{field} holds token id {bad}, outside the vocabulary "
+                             f"[0, {vocab_size})")
+    if not params.bad_words:
+        return params
+    if tokenizer is None:
+        raise ValueError(f"{name}: SamplingParams.bad_words needs a tokenizer (the engine has none)")
+    params.bad_words_token_ids = words = []
+    for word in params.bad_words:   # as it starts a text, and (when that differs) inside one, after a space
+        plain, spaced = (tokenizer.encode(s + word.lstrip(), add_special_tokens=False) for s in ("", " "))
+        if not plain or len(plain) > RECENT_TOKENS + 1:
+            raise ValueError(f"{name}: bad word {word!r} is {len(plain)} tokens; it must be 1 to "
+                             f"{RECENT_TOKENS + 1}")
+        words += [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+    return params

@@ -3,6 +3,7 @@
 # %% ../../notebooks/10_llm_engine.ipynb #c07ca0b8
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -14,9 +15,9 @@ from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from .batch_builder import BatchBuilder
 from .executor import Executor
-from .inputs import PromptType, checked_params, load_tokenizer, prompt_token_ids
+from .inputs import PromptType, checked_params, fit_to_model, load_tokenizer, prompt_token_ids
 from .lookahead import plan_lookahead
-from .output_processor import IncrementalDetokenizer, OutputProcessor, Request
+from .output_processor import IncrementalDetokenizer, OutputProcessor, ParentRequest, Request, decode_options
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
 from .step_trace import StepRecord
@@ -40,6 +41,14 @@ class InFlightStep:
     handle: object   # what the executor's `collect` needs to finish it
 
 
+def default_sampling_params(config: Config) -> SamplingParams:
+    "What `generate(prompts)` samples with: vLLM's defaults, overridden by the checkpoint's generation_config.json."
+    try:
+        return SamplingParams(**config.default_sampling_params)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"generation_config.json in {config.model!r}: {e} (generation_config='vllm' ignores it)") from None
+
+
 def make_executor(config: Config) -> Executor:
     "One device: a runner in this process. Several (tensor parallelism, notebook 12): one process per device."
     if config.tensor_parallel_size == 1:
@@ -48,7 +57,7 @@ def make_executor(config: Config) -> Executor:
     return make_tp_executor(config)
 
 # %% auto #0
-__all__ = ['EngineStats', 'InFlightStep', 'make_executor', 'LLMEngine']
+__all__ = ['EngineStats', 'InFlightStep', 'default_sampling_params', 'make_executor', 'LLMEngine']
 
 # %% ../../notebooks/10_llm_engine.ipynb #19f16d45
 class LLMEngine:
@@ -68,6 +77,7 @@ class LLMEngine:
         except BaseException:
             self.executor.close()
             raise
+        self.default_params = default_sampling_params(c)
         self.stats = EngineStats()
         self.in_flight: InFlightStep | None = None   # a step launched ahead (asynchronous scheduling)
         self.trace: list[StepRecord] | None = None   # a record of every step, from `start_trace()` on
@@ -80,13 +90,15 @@ class LLMEngine:
     def validate(self, prompt: PromptType, params: SamplingParams | None, name: str = "prompt"
                  ) -> tuple[str | None, list[int], SamplingParams]:
         "Check one request completely, without queueing it: (text, token ids, params)."
-        params = checked_params(params, name)
+        params = checked_params(self.default_params if params is None else params, name)
+        params = fit_to_model(params, self.tokenizer, self.config.hf_config.vocab_size, name)
         text, ids = prompt_token_ids(prompt, self.tokenizer, self.config.hf_config.vocab_size,
                                      self.config.max_model_len, name)
         return text, ids, params
 
-    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     stream: bool = False) -> str:
+        "Queue one request (vLLM's order); None as the id: the next free number. Returns the request's id."
         name = "request" if request_id is None else f"request {str(request_id)!r}"
         return self._add(*self.validate(prompt, params, name), request_id, stream)
 
@@ -97,27 +109,51 @@ class LLMEngine:
 @patch
 def _add(self: LLMEngine, text: str | None, ids: list[int], params: SamplingParams, request_id: str | None = None,
          stream: bool = False) -> str:
+    "Queue a checked request; n > 1 samples: n requests that share the prompt's cached blocks (vLLM's child ids)."
     if request_id is None:   # the next free number (a caller's own ids may have taken some)
-        request_id = next(i for i in map(str, self._request_ids) if i not in self.requests)
+        request_id = next(i for i in map(str, self._request_ids) if self._free_id(i, params.n))
     request_id = str(request_id)
-    if request_id in self.requests:
+    if not self._free_id(request_id, params.n):
         raise ValueError(f"request id {request_id!r} is already in use")
+    if params.n == 1:
+        self._add_one(request_id, text, ids, params, stream)
+        return request_id
+    parent = ParentRequest(request_id, [])
+    for i in range(params.n):   # each sample's seed: the request's + its index, as in vLLM
+        child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        child.bad_words_token_ids = params.bad_words_token_ids
+        parent.children.append(self._add_one(f"{i}_{request_id}", text, ids, child, stream, parent, i))
+    return request_id
+
+
+@patch
+def _free_id(self: LLMEngine, request_id: str, n: int) -> bool:
+    taken = self.requests.keys() | self.outputs.parents.keys()
+    return request_id not in taken and (n == 1 or not any(f"{i}_{request_id}" in taken for i in range(n)))
+
+
+@patch
+def _add_one(self: LLMEngine, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+             stream: bool, parent: ParentRequest | None = None, index: int = 0) -> Request:
     seq = Sequence(ids, params, self.config.block_size, seq_id=next(self._seq_ids))
     needs_text = self.tokenizer is not None and (bool(params.stop) or stream)
-    detokenizer = IncrementalDetokenizer(self.tokenizer, ids) if needs_text else None
-    self.outputs.add(Request(request_id, text, seq, RequestMetrics(seq.arrival_time), detokenizer, stream))
-    self.executor.add_request(seq.seq_id, params)
+    detokenizer = IncrementalDetokenizer(self.tokenizer, ids, **decode_options(params)) if needs_text else None
+    req = Request(request_id, text, seq, RequestMetrics(seq.arrival_time), detokenizer, stream, parent=parent,
+                  index=index, prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids))
+    self.outputs.add(req)
+    self.executor.add_request(seq.seq_id, params, ids)
     self.scheduler.add(seq)
-    return request_id
+    return req
 
 
 @patch
 def abort_request(self: LLMEngine, request_id: str | list[str]) -> None:
     "End a request (or each of a list, as vLLM takes them) wherever it is; its blocks return to the free list."
-    for req in filter(None, map(self.requests.get, [request_id] if isinstance(request_id, str) else request_id)):
+    for req in self.outputs.find([request_id] if isinstance(request_id, str) else list(request_id)):
         self.outputs.remove(req)
         self._release(req)
         self.scheduler.abort(req.seq)
+    self._drop_stale_step()
 
 
 @patch
@@ -148,8 +184,10 @@ def step(self: LLMEngine) -> list[RequestOutput]:
         waiting = time.perf_counter()
         token_ids, logprobs = self.executor.collect(current.handle)
         now = time.perf_counter()
+        if logprobs is not None and logprobs.prompt:
+            self.outputs.book_prompt(current.plan, logprobs.prompt)
         finished = self.scheduler.postprocess(current.plan, token_ids)
-        outputs, done = self.outputs.process(current.plan, token_ids, logprobs, finished, now)
+        outputs, done = self.outputs.process(current.plan, token_ids, logprobs and logprobs.sampled, finished, now)
     except BaseException:
         self.in_flight = None
         self.executor.synchronize()   # let launched work finish before anything reuses its blocks
@@ -157,11 +195,18 @@ def step(self: LLMEngine) -> list[RequestOutput]:
         raise
     for req in done:
         self._release(req)
-    if done and self.in_flight and all(seq.is_finished for seq in self.in_flight.plan.seqs):
-        self.executor.collect(self.in_flight.handle)   # planned ahead for requests that have all ended since
-        self.in_flight = None
+    if done:
+        self._drop_stale_step()
     self._count(current.plan, finished, start, now - waiting)
     return outputs
+
+
+@patch
+def _drop_stale_step(self: LLMEngine) -> None:
+    "A step planned ahead for requests that have all ended since (finished or aborted): collected and dropped."
+    if self.in_flight and all(seq.is_finished for seq in self.in_flight.plan.seqs):
+        self.executor.collect(self.in_flight.handle)
+        self.in_flight = None
 
 
 @patch

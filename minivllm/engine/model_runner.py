@@ -29,9 +29,17 @@ class StepHandle:
     sampling: SamplingTensors | None = None
     host_ids: torch.Tensor | None = None    # their copy in pinned host memory, complete once `copied` has passed
     copied: torch.cuda.Event | None = None
+    prompt_logprobs: LogprobsTensors | None = None   # of the step's prompt rows, when a request asked for them
+
+
+@dataclass
+class StepLogprobs:
+    "What a collected step gives back besides its tokens, when some request asked (notebook 10 books it)."
+    sampled: list[dict[int, tuple[float, int]] | None] | None   # per sampled row
+    prompt: list[tuple[list[int], list[float], list[int]]] | None   # per prompt row: ids, logprobs, ranks
 
 # %% auto #0
-__all__ = ['StepHandle', 'ModelRunner']
+__all__ = ['StepHandle', 'StepLogprobs', 'ModelRunner']
 
 # %% ../../notebooks/09_model_runner.ipynb #e05e7f9c
 class ModelRunner:
@@ -47,7 +55,8 @@ class ModelRunner:
         try:   # a failure from here on (a cache too small, out of memory) must not keep the weights alive
             for layer in attention_layers(self.model):
                 layer.backend = config.attention_backend
-            self.sampler, self.sampling = Sampler(), SamplingCache(self.device, config.seed)
+            self.sampler = Sampler()
+            self.sampling = SamplingCache(self.device, config.seed, config.hf_config.vocab_size, config.eos_token_ids)
             self.num_blocks = num_kv_blocks(config, kv_budget(self.model, config, self.device, tp))
             self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.block_size, config.torch_dtype,
                                               self.device)
@@ -61,8 +70,8 @@ class ModelRunner:
             self.close()
             raise
 
-    def add_request(self, seq_id: int, params: SamplingParams) -> None:
-        self.sampling.add(seq_id, params)
+    def add_request(self, seq_id: int, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+        self.sampling.add(seq_id, params, prompt_token_ids)
 
     def free_request(self, seq_id: int) -> None:
         self.sampling.free(seq_id)
@@ -74,27 +83,41 @@ def execute(self: ModelRunner, step: StepInputs) -> StepHandle:
     "Queue the forward pass, the sampled rows' logits and (first rank) the sampler, and return at once."
     input_ids = self._ahead_input_ids(step) if step.ahead else None
     graph = self.graphs is not None and self.graphs.can_run(step)   # (a decode step: every sequence samples)
-    logits = self.graphs.replay(step, input_ids) if graph else self._forward(step, input_ids)
-    if logits is None or self.tp.rank != 0:   # nothing to sample (prompt chunks only), or not the sampling rank
+    logits, prompt = (self.graphs.replay(step, input_ids), None) if graph else self._forward(step, input_ids)
+    if self.tp.rank != 0:   # not the sampling rank
         return StepHandle()
+    handle = StepHandle() if logits is None else self._sample(logits, step)   # None: prompt chunks only
+    if prompt is not None:   # prompt log-probabilities: a few rows of prompt steps (never in a graph)
+        handle.prompt_logprobs = gather_logprobs(*prompt, self.sampling.max_prompt_logprobs()).to_host()
+    if self.device.type == "cuda" and (logits is not None or prompt is not None):
+        handle.copied = torch.cuda.current_stream().record_event()
+    return handle
+
+
+@patch
+def _sample(self: ModelRunner, logits: torch.Tensor, step: StepInputs) -> StepHandle:
+    "Sample each row and queue the tokens' copy to the host (and their log-probabilities', when asked)."
     sampling, generators = self.sampling.batch(step.seq_ids)
     self.last_sampled = self.sampler(logits, sampling, generators, self.sampling.generator)
     logprobs = None
     if sampling.max_num_logprobs is not None:   # gathered now, to travel to the host with the tokens
-        lp = gather_logprobs(logits, self.last_sampled, sampling.max_num_logprobs)
-        logprobs = LogprobsTensors(*(t.to("cpu", non_blocking=True) for t in (lp.token_ids, lp.logprobs)))
+        logprobs = gather_logprobs(logits, self.last_sampled, sampling.max_num_logprobs).to_host()
     host_ids = self.last_sampled.to("cpu", non_blocking=True)   # queued behind the sampler, into pinned memory
-    copied = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
-    return StepHandle(self.last_sampled, logprobs, sampling, host_ids, copied)
+    return StepHandle(self.last_sampled, logprobs, sampling, host_ids)
 
 
 @patch
-def _forward(self: ModelRunner, step: StepInputs, input_ids: torch.Tensor | None) -> torch.Tensor | None:
-    "Upload and run the model; the logits of the rows that sample (every rank: the LM head gathers), or None."
+def _forward(self: ModelRunner, step: StepInputs, input_ids: torch.Tensor | None
+             ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Upload and run the model: the logits of the rows that sample (every rank: the LM head gathers), or None;
+    and the logits of the prompt rows whose log-probabilities were asked for, with their next tokens, or None."""
     x = self.upload(step)
     hidden = self.model(x.input_ids if input_ids is None else input_ids, x.positions, x.meta)
     n = step.sizes.num_sampled   # 0: a step of prompt chunks only, nothing to sample
-    return None if n == 0 else self.model.compute_logits(hidden if n == len(hidden) else hidden[x.logits_indices])
+    logits = None if n == 0 else self.model.compute_logits(hidden if n == len(hidden) else hidden[x.logits_indices])
+    if x.prompt_logits_indices is None:
+        return logits, None
+    return logits, (self.model.compute_logits(hidden[x.prompt_logits_indices]), x.prompt_target_ids)
 
 
 @patch
@@ -111,13 +134,14 @@ def _ahead_input_ids(self: ModelRunner, step: StepInputs) -> torch.Tensor:
 # %% ../../notebooks/09_model_runner.ipynb #2ab327b1
 @patch
 @torch.inference_mode()
-def collect(self: ModelRunner, handle: StepHandle) -> tuple[list[int], list[dict[int, float] | None] | None]:
-    if handle.token_ids is None:
-        return [], None
+def collect(self: ModelRunner, handle: StepHandle) -> tuple[list[int], StepLogprobs | None]:
+    "The step's sampled tokens (and log-probabilities, where asked for) on the host."
     if handle.copied is not None:   # the host waits for this step's copy, not for a step launched after it
         handle.copied.synchronize()
-    logprobs = handle.logprobs and handle.logprobs.tolists(handle.sampling.num_logprobs)
-    return handle.host_ids.tolist(), logprobs
+    token_ids = [] if handle.host_ids is None else handle.host_ids.tolist()
+    sampled = handle.logprobs and handle.logprobs.tolists(handle.sampling.num_logprobs)
+    prompt = handle.prompt_logprobs and handle.prompt_logprobs.rows()
+    return token_ids, None if sampled is None and prompt is None else StepLogprobs(sampled, prompt)
 
 
 @patch

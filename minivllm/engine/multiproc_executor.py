@@ -119,7 +119,7 @@ class MultiProcExecutor:
         self.workers = Workers(config, self.store.port)
         weakref.finalize(self, self.workers.stop, 0.0)   # an executor dropped without close() still ends its workers
         self.closed, self.down, self.number = False, None, 0
-        self.added: list[tuple[int, SamplingParams]] = []
+        self.added: list[tuple[int, SamplingParams, list[int]]] = []
         self.freed: list[int] = []
         try:
             self.num_blocks = self._reply(None, start_timeout)   # rank 0 says "ready" once every rank has loaded
@@ -128,8 +128,8 @@ class MultiProcExecutor:
             self.workers.stop(10.0)
             raise
 
-    def add_request(self, seq_id: int, params: SamplingParams) -> None:
-        self.added.append((seq_id, params))   # (sent with the next step)
+    def add_request(self, seq_id: int, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+        self.added.append((seq_id, params, prompt_token_ids))   # (sent with the next step)
 
     def free_request(self, seq_id: int) -> None:
         self.freed.append(seq_id)

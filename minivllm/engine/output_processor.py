@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 from fastcore.basics import patch
 
-from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..layers.sampler import logprob_dict
+from ..sampling_params import SamplingParams
+from .batch_builder import prompt_logprob_positions
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
 
@@ -15,16 +18,16 @@ from .sequence import Sequence
 class IncrementalDetokenizer:
     "Text of a growing completion, a few tokens at a time (vLLM's / TGI's prefix and read offsets)."
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], context: int = 5):
-        self.tokenizer, self.text = tokenizer, ""
+    def __init__(self, tokenizer, prompt_token_ids: list[int], context: int = 5, **decode_options):
+        self.tokenizer, self.text, self.options = tokenizer, "", {"skip_special_tokens": True, **decode_options}
         self.ids = list(prompt_token_ids[-context:])   # a little prompt, so the first token decodes in context
         self.prefix_offset, self.read_offset = 0, len(self.ids)
 
     def add(self, token_ids: list[int]) -> str:
         "Append new token ids; return the new text they complete (possibly empty)."
         self.ids.extend(token_ids)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], **self.options)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], **self.options)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta, self.prefix_offset, self.read_offset = full[len(prefix):], self.read_offset, len(self.ids)
@@ -32,9 +35,14 @@ class IncrementalDetokenizer:
         return delta
 
 # %% auto #0
-__all__ = ['IncrementalDetokenizer', 'find_stop', 'Request', 'OutputProcessor']
+__all__ = ['IncrementalDetokenizer', 'decode_options', 'find_stop', 'Request', 'ParentRequest', 'OutputProcessor']
 
 # %% ../../notebooks/10_llm_engine.ipynb #907d5bb6
+def decode_options(params: SamplingParams) -> dict:
+    return {"skip_special_tokens": params.skip_special_tokens,
+            "spaces_between_special_tokens": params.spaces_between_special_tokens}
+
+
 def find_stop(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:
     "The earliest stop string that ends in the last `new_chars` characters of `text`: (where it starts, which)."
     best = None
@@ -56,30 +64,61 @@ class Request:
     text: str | None = None                              # the final text, once finished
     sent_chars: int = 0
     sent_tokens: int = 0
+    parent: ParentRequest | None = None   # one of the n samples of a prompt (SamplingParams.n > 1)
+    index: int = 0                        # which one
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # SamplingParams.prompt_logprobs: per position
 
     def current_text(self, tokenizer) -> str:
         if self.text is not None:
             return self.text
         if self.detokenizer is not None:
             return self.detokenizer.text
-        return "" if tokenizer is None else tokenizer.decode(self.seq.completion_token_ids, skip_special_tokens=True)
+        if tokenizer is None:
+            return ""
+        return tokenizer.decode(self.seq.completion_token_ids, **decode_options(self.seq.sampling_params))
 
-    def output(self, tokenizer) -> RequestOutput:
+    def completion(self, tokenizer) -> CompletionOutput:
+        "What it has generated: all of it, or what is new since the last output when it streams."
         seq = self.seq
         text, ids = self.current_text(tokenizer), seq.completion_token_ids
         logprobs = seq.logprobs if seq.sampling_params.logprobs is not None else None
         if self.stream:
             stops = seq.sampling_params.stop
-            if stops and not seq.is_finished:   # hold back what may be the start of a stop string (it is not output)
+            if stops and not seq.is_finished and not seq.sampling_params.include_stop_str_in_output:
+                # hold back what may be the start of a stop string (it is not output)
                 text = text[:max(0, len(text) - max(map(len, stops)) + 1)]
             text, ids = text[self.sent_chars:], ids[self.sent_tokens:]
             logprobs = None if logprobs is None else logprobs[self.sent_tokens:]
             self.sent_chars += len(text)
             self.sent_tokens += len(ids)
         cumulative = seq.cumulative_logprob if seq.sampling_params.logprobs is not None else None
-        completion = CompletionOutput(0, text, ids, cumulative, logprobs, seq.finish_reason, seq.stop_reason)
-        return RequestOutput(self.request_id, self.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
-                             self.metrics, seq.num_cached_tokens)
+        return CompletionOutput(self.index, text, ids, cumulative, logprobs, seq.finish_reason, seq.stop_reason)
+
+    def output(self, tokenizer) -> RequestOutput | None:
+        if self.parent is not None:
+            return self.parent.output(self, tokenizer)
+        seq = self.seq
+        return RequestOutput(self.request_id, self.prompt, seq.prompt_token_ids, [self.completion(tokenizer)],
+                             seq.is_finished, self.metrics, seq.num_cached_tokens, self.prompt_logprobs)
+
+# %% ../../notebooks/10_llm_engine.ipynb #daadc485
+@dataclass
+class ParentRequest:
+    "A prompt sampled n times: n requests (ids `0_<id>`, `1_<id>`, ...), one output, under the parent's id."
+    request_id: str
+    children: list[Request]
+    sent_final: bool = False   # (several children may finish in one step: the final output goes out once)
+
+    def output(self, child: Request, tokenizer) -> RequestOutput | None:
+        "Streaming: the child's new tokens. Otherwise: every child's completion, once the last one has finished."
+        finished = all(c.seq.is_finished for c in self.children)
+        if not child.stream and (not finished or self.sent_final):
+            return None
+        self.sent_final = finished
+        first = self.children[0]
+        outputs = [child.completion(tokenizer)] if child.stream else [c.completion(tokenizer) for c in self.children]
+        return RequestOutput(self.request_id, first.prompt, first.seq.prompt_token_ids, outputs, finished,
+                             first.metrics, first.seq.num_cached_tokens, first.prompt_logprobs)
 
 # %% ../../notebooks/10_llm_engine.ipynb #97a981bc
 class OutputProcessor:
@@ -88,11 +127,14 @@ class OutputProcessor:
     def __init__(self, tokenizer, scheduler: Scheduler):
         self.tokenizer, self.scheduler = tokenizer, scheduler
         self.requests: dict[str, Request] = {}
+        self.parents: dict[str, ParentRequest] = {}   # prompts sampled n > 1 times, by their own request id
         self.by_seq: dict[int, Request] = {}
         self.watched: set[int] = set()   # the sequences whose requests need work per token (text, streaming)
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = self.by_seq[req.seq.seq_id] = req
+        if req.parent is not None:
+            self.parents[req.parent.request_id] = req.parent
         if req.detokenizer is not None or req.stream:
             self.watched.add(req.seq.seq_id)
 
@@ -100,6 +142,17 @@ class OutputProcessor:
         self.requests.pop(req.request_id, None)
         self.by_seq.pop(req.seq.seq_id, None)
         self.watched.discard(req.seq.seq_id)
+        if req.parent is not None and not any(c.request_id in self.requests for c in req.parent.children):
+            self.parents.pop(req.parent.request_id, None)
+
+    def find(self, request_ids: list[str]) -> list[Request]:
+        "The requests of these ids (a parent's id: its children); unknown or finished ids are skipped."
+        found = []
+        for request_id in request_ids:
+            parent = self.parents.get(request_id)
+            found += [c for c in parent.children if c.request_id in self.requests] if parent else \
+                [self.requests[request_id]] if request_id in self.requests else []
+        return found
 
     def process(self, plan: StepPlan, token_ids: list[int], logprobs: list | None, finished: list[Sequence],
                 now: float) -> tuple[list[RequestOutput], list[Request]]:
@@ -122,20 +175,23 @@ class OutputProcessor:
 
 # %% ../../notebooks/10_llm_engine.ipynb #7c073244
 @patch
-def _book(self: OutputProcessor, req: Request, token_id: int, logprobs: dict[int, float] | None, now: float
+def _book(self: OutputProcessor, req: Request, token_id: int, logprobs: dict[int, tuple] | None, now: float
           ) -> RequestOutput | None:
     "Book one new token of `req`; its output only when it finished or streams (unread outputs would cost dearly)."
     seq, metrics = req.seq, req.metrics
     if logprobs is not None:
-        seq.logprobs.append(logprobs)
-        seq.cumulative_logprob += logprobs[token_id]
+        seq.logprobs.append(self.as_logprobs(logprobs))
+        seq.cumulative_logprob += logprobs[token_id][0]
     metrics.first_token_time = metrics.first_token_time or now
     metrics.last_token_time, metrics.num_generated_tokens = now, seq.num_completion_tokens
     if req.detokenizer is not None:
-        new_text = req.detokenizer.add([token_id])
-        hit = find_stop(req.detokenizer.text, len(new_text), seq.sampling_params.stop) if new_text else None
+        new_text, params = req.detokenizer.add([token_id]), seq.sampling_params
+        if new_text and seq.num_completion_tokens > params.min_tokens:   # (no stop string before min_tokens)
+            hit = find_stop(req.detokenizer.text, len(new_text), params.stop)
+        else:
+            hit = None
         if hit is not None:
-            req.text = req.detokenizer.text[:hit[0]]
+            req.text = req.detokenizer.text[:hit[0] + (len(hit[1]) if params.include_stop_str_in_output else 0)]
             if seq.is_finished:   # the same token also hit a length limit: the stop string wins, as in vLLM
                 seq.finish_reason, seq.stop_reason = "stop", hit[1]
             else:
@@ -143,5 +199,24 @@ def _book(self: OutputProcessor, req: Request, token_id: int, logprobs: dict[int
     if seq.is_finished:
         metrics.finished_time = now
         if req.text is None and self.tokenizer is not None:
-            req.text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
+            req.text = self.tokenizer.decode(seq.completion_token_ids, **decode_options(seq.sampling_params))
     return req.output(self.tokenizer) if seq.is_finished or req.stream else None
+
+# %% ../../notebooks/10_llm_engine.ipynb #7c073245
+@patch
+def as_logprobs(self: OutputProcessor, entries: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+    "{token id: (logprob, rank)} -> {token id: Logprob}, with each token's text."
+    decode = (lambda t: None) if self.tokenizer is None else (lambda t: self.tokenizer.decode([t]))
+    return {t: Logprob(logprob, rank, decode(t)) for t, (logprob, rank) in entries.items()}
+
+
+@patch
+def book_prompt(self: OutputProcessor, plan: StepPlan, rows: list[tuple]) -> None:
+    "Book a step's prompt log-probabilities: `rows` in the order `prepare_step` laid them out (before postprocess)."
+    rows = iter(rows)
+    for seq, n in zip(plan.seqs, plan.num_new_tokens):
+        req = self.by_seq.get(seq.seq_id)
+        for position in prompt_logprob_positions(seq, n):
+            row = next(rows)
+            if req is not None:   # (not aborted while the step ran)
+                req.prompt_logprobs[position + 1] = self.as_logprobs(logprob_dict(row, seq.sampling_params.prompt_logprobs))

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from fastcore.basics import patch
 
+from ..layers.logits_processors import LogitsProcessors, TokenHistory, build_logits_processors
 from ..layers.sampler import SamplingTensors
 from ..sampling_params import SamplingParams
 
@@ -13,22 +15,30 @@ from ..sampling_params import SamplingParams
 class SamplingCache:
     "Per request: its SamplingParams and seeded generator; per batch: SamplingTensors, rebuilt when requests change."
 
-    def __init__(self, device: torch.device, seed: int = 0):
-        self.device = device
+    def __init__(self, device: torch.device, seed: int = 0, vocab_size: int = 0, stop_ids: list[int] = ()):
+        self.device, self.vocab_size, self.stop_ids = device, vocab_size, list(stop_ids)
         self.params: dict[int, SamplingParams] = {}
         self.generators: dict[int, torch.Generator] = {}
         self.generator = torch.Generator(device).manual_seed(seed)   # this engine's, for requests without a seed
+        self.history: TokenHistory | None = None   # made on first use: 5 bytes x vocab per request that uses it
+        self.prompts: dict[int, list[int]] = {}    # requests that change logits, until they first run
+        self.slots: dict[int, int] = {}            # then: their slot in `history`
         self._seq_ids = np.empty(0, dtype=np.int64)
         self._batch: tuple[SamplingTensors, dict[int, torch.Generator] | None] | None = None
 
-    def add(self, seq_id: int, params: SamplingParams) -> None:
+    def add(self, seq_id: int, params: SamplingParams, prompt_token_ids: list[int] = ()) -> None:
         self.params[seq_id] = params
         if params.seed is not None and not params.greedy:
             self.generators[seq_id] = torch.Generator(self.device).manual_seed(params.seed)
+        if params.changes_logits:
+            self.prompts[seq_id] = list(prompt_token_ids)
 
     def free(self, seq_id: int) -> None:
-        self.params.pop(seq_id, None)
-        self.generators.pop(seq_id, None)
+        for d in (self.params, self.generators, self.prompts, self.slots):
+            d.pop(seq_id, None)
+
+    def max_prompt_logprobs(self) -> int:
+        return max((p.prompt_logprobs for p in self.params.values() if p.prompt_logprobs is not None), default=0)
 
     def batch(self, seq_ids: np.ndarray) -> tuple[SamplingTensors, dict[int, torch.Generator] | None]:
         "The sampling tensors of the rows `seq_ids`, and each seeded row's generator (None when no row has a seed)."
@@ -36,8 +46,36 @@ class SamplingCache:
             ids = seq_ids.tolist()
             tensors = SamplingTensors.from_params([self.params[i] for i in ids], self.device)
             rows = {row: self.generators[i] for row, i in enumerate(ids) if i in self.generators} if self.generators else {}
+            if self.prompts or self.slots:
+                tensors.processors = self._processors(ids)
             self._seq_ids, self._batch = seq_ids.copy(), (tensors, rows or None)
         return self._batch
 
 # %% auto #0
 __all__ = ['SamplingCache']
+
+# %% ../../notebooks/09_model_runner.ipynb #5e67ea26
+@patch
+def _processors(self: SamplingCache, ids: list[int]) -> LogitsProcessors | None:
+    "The logits processors of the rows of `ids` that change logits; a request's first batch gives it a slot."
+    rows = [row for row, i in enumerate(ids) if i in self.prompts or i in self.slots]
+    if not rows:
+        return None
+    for i in (ids[r] for r in rows if ids[r] in self.prompts):
+        free = sorted(set(range(len(self.history or ()))) - set(self.slots.values()))
+        if not free:
+            self._grow()
+            free = sorted(set(range(len(self.history))) - set(self.slots.values()))
+        self.slots[i] = free[0]
+        self.history.reset(free[0], self.prompts.pop(i))
+    return build_logits_processors(rows, [self.params[ids[r]] for r in rows], [self.slots[ids[r]] for r in rows],
+                                   self.history, self.stop_ids)
+
+
+@patch
+def _grow(self: SamplingCache) -> None:
+    "Twice the slots (at least 8)."
+    if self.history is None:
+        self.history = TokenHistory(8, self.vocab_size, self.device)
+    else:
+        self.history.grow(2 * len(self.history))

@@ -43,7 +43,7 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
-        self.logprobs: list[dict[int, float]] = []
+        self.logprobs: list[dict] = []   # per completion token: {token id: Logprob} (notebook 10)
         self.num_preemptions = 0
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
 

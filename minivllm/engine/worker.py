@@ -106,8 +106,8 @@ def serve_driver(executor: TPExecutor, conn: Connection, hook: str | None = None
         kind, number, *args = conn.recv()
         if kind == "launch":
             header, added, freed = args
-            for seq_id, params in added:
-                executor.add_request(seq_id, params)
+            for request in added:
+                executor.add_request(*request)
             for seq_id in freed:
                 executor.free_request(seq_id)
             payload = np.frombuffer(bytearray(conn.recv_bytes()), dtype=np.uint8)

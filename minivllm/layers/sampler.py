@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..sampling_params import SamplingParams
+from .logits_processors import LogitsProcessors
 
 _NEG_INF = float("-inf")
 
@@ -24,7 +25,7 @@ def apply_top_k(logits: torch.Tensor, k: torch.Tensor, max_top_k: int) -> torch.
 
 # %% auto #0
 __all__ = ['apply_top_k', 'apply_top_k_top_p', 'apply_min_p', 'random_sample', 'SamplingTensors', 'Sampler', 'LogprobsTensors',
-           'gather_logprobs']
+           'logprob_dict', 'gather_logprobs']
 
 # %% ../../notebooks/07_sampler.ipynb #d67c986f
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
@@ -74,6 +75,7 @@ class SamplingTensors:
     num_logprobs: list[int | None]     # per row: SamplingParams.logprobs
     all_greedy: bool
     all_random: bool
+    processors: LogitsProcessors | None = None   # penalties, logit_bias, ... of the rows that use them
 
     @property
     def max_num_logprobs(self) -> int | None:
@@ -112,6 +114,16 @@ class Sampler(nn.Module):
                 generators: dict[int, torch.Generator] | None = None,
                 generator: torch.Generator | None = None) -> torch.Tensor:
         "`generators`: row -> the generator of a request with a seed; `generator`: the other rows' (see random_sample)."
+        if sampling.processors is not None:   # they come first: a penalty can change a greedy choice too
+            logits = sampling.processors(logits)
+        token_ids = self.sample(logits, sampling, generators, generator)
+        if sampling.processors is not None:
+            sampling.processors.book(token_ids)
+        return token_ids
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingTensors,
+               generators: dict[int, torch.Generator] | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
         if sampling.all_greedy:
             return logits.argmax(dim=-1)
         greedy_ids = None if sampling.all_random else logits.argmax(dim=-1)
@@ -128,20 +140,35 @@ class Sampler(nn.Module):
 # %% ../../notebooks/07_sampler.ipynb #293c03e0
 @dataclass
 class LogprobsTensors:
-    "Per row: the sampled token, then the `n` most likely tokens (most likely first), with their raw log-probabilities."
+    "Per row: the sampled token, then the `n` most likely tokens (most likely first): raw log-probabilities, ranks."
     token_ids: torch.Tensor  # [B, 1 + n] int64
     logprobs: torch.Tensor   # [B, 1 + n] float32
+    ranks: torch.Tensor      # [B, 1 + n] int64: 1 for the most likely token of the vocabulary
 
-    def tolists(self, num_logprobs: list[int | None]) -> list[dict[int, float] | None]:
-        "Per row, {token_id: logprob} with the sampled token first and the row's own top-n; None where not asked."
-        ids, lps = self.token_ids.tolist(), self.logprobs.tolist()
-        return [None if n is None else dict(zip(ids[row][:1 + n], lps[row][:1 + n]))
-                for row, n in enumerate(num_logprobs)]
+    def to_host(self) -> LogprobsTensors:
+        "Copies on their way to (pinned) host memory, queued behind the work that computes them."
+        return LogprobsTensors(*(t.to("cpu", non_blocking=True) for t in (self.token_ids, self.logprobs, self.ranks)))
+
+    def rows(self) -> list[tuple[list[int], list[float], list[int]]]:
+        return list(zip(self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()))
+
+    def tolists(self, num_logprobs: list[int | None]) -> list[dict[int, tuple[float, int]] | None]:
+        "Per row, {token_id: (logprob, rank)}: the sampled token first, then the row's own top-n; None where not asked."
+        return [None if n is None else logprob_dict(row, n) for row, n in zip(self.rows(), num_logprobs)]
+
+
+def logprob_dict(row: tuple[list[int], list[float], list[int]], n: int) -> dict[int, tuple[float, int]]:
+    "One row's first token (the sampled one) and its top `n`: {token_id: (logprob, rank)}."
+    ids, logprobs, ranks = row
+    return dict(zip(ids[:1 + n], zip(logprobs[:1 + n], ranks[:1 + n])))
 
 
 def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
     "Raw log-probabilities (log_softmax of `logits`) of the sampled `token_ids` and of each row's top `num_logprobs`."
     logprobs = logits.float().log_softmax(dim=-1)
     top, sampled = logprobs.topk(min(num_logprobs, logprobs.shape[-1]), dim=-1), token_ids.long().unsqueeze(1)
-    return LogprobsTensors(torch.cat([sampled, top.indices], dim=1),
-                           torch.cat([logprobs.gather(1, sampled), top.values], dim=1))
+    sampled_logprobs = logprobs.gather(1, sampled)
+    rank = (logprobs > sampled_logprobs).sum(dim=-1, keepdim=True) + 1   # 1 + how many tokens are more likely
+    top_ranks = torch.arange(1, top.indices.shape[1] + 1, device=logits.device).expand_as(top.indices)
+    return LogprobsTensors(torch.cat([sampled, top.indices], dim=1), torch.cat([sampled_logprobs, top.values], dim=1),
+                           torch.cat([rank, top_ranks], dim=1))
