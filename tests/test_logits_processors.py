@@ -4,11 +4,13 @@ reference of vLLM's formulas; the same tokens with and without asynchronous sche
 graphs); the device-side history survives preemption."""
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
+from minivllm.engine.sampling_cache import SamplingCache
 from minivllm.layers.logits_processors import TokenHistory, apply_penalties, build_logits_processors
 
 PROMPTS = ["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n        ", "import os\nimport sys\n\n",
@@ -167,3 +169,16 @@ def test_gpu_penalties_give_the_same_tokens_under_cuda_graphs_and_eager(tiny):
         with LLM(TINY_MODEL_PATH, max_model_len=128, device="cuda", dtype="float32", enforce_eager=enforce_eager) as llm:
             results.append(generate_ids(llm, prompts, params))
     assert results[0] == results[1]
+
+
+def test_the_history_grows_and_slots_are_reused():
+    cache = SamplingCache(torch.device("cpu"), vocab_size=32, stop_ids=[0])
+    for i in range(20):
+        cache.add(i, SamplingParams(repetition_penalty=1.2), prompt_token_ids=[i + 1])
+    cache.batch(np.arange(20))
+    assert len(cache.history) == 32 and sorted(cache.slots.values()) == list(range(20))
+    assert all(cache.history.prompt_mask[cache.slots[i], i + 1] for i in range(20))   # kept through the growth
+    cache.free(3)
+    cache.add(20, SamplingParams(presence_penalty=1.0), prompt_token_ids=[5])
+    cache.batch(np.array([20]))
+    assert cache.slots[20] == 3 and len(cache.history) == 32

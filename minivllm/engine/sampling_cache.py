@@ -62,12 +62,10 @@ def _processors(self: SamplingCache, ids: list[int]) -> LogitsProcessors | None:
     if not rows:
         return None
     for i in (ids[r] for r in rows if ids[r] in self.prompts):
-        free = sorted(set(range(len(self.history or ()))) - set(self.slots.values()))
-        if not free:
+        if len(self.slots) == len(self.history or ()):   # every slot taken
             self._grow()
-            free = sorted(set(range(len(self.history))) - set(self.slots.values()))
-        self.slots[i] = free[0]
-        self.history.reset(free[0], self.prompts.pop(i))
+        self.slots[i] = slot = min(set(range(len(self.history))) - set(self.slots.values()))
+        self.history.reset(slot, self.prompts.pop(i))
     return build_logits_processors(rows, [self.params[ids[r]] for r in rows], [self.slots[ids[r]] for r in rows],
                                    self.history, self.stop_ids)
 
