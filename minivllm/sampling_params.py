@@ -3,11 +3,19 @@
 # %% ../notebooks/01_sequence.ipynb #98e2a7f7
 from __future__ import annotations
 
+import enum
 import functools
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
 from fastcore.basics import patch
+
+class RequestOutputKind(enum.IntEnum):
+    "What an asynchronous request's outputs hold (notebook 11): all so far, only what is new, or the end alone."
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
 
 _SAMPLING_EPS = 1e-5  # below this temperature, sampling is greedy (vLLM uses the same threshold)
 
@@ -32,7 +40,7 @@ def _token_ids(name: str, ids) -> list[int]:
     return [int(t) for t in ids]
 
 # %% auto #0
-__all__ = ['UNSUPPORTED', 'SamplingParams']
+__all__ = ['RequestOutputKind', 'UNSUPPORTED', 'SamplingParams']
 
 # %% ../notebooks/01_sequence.ipynb #50c9a60d
 @dataclass
@@ -60,6 +68,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # what AsyncLLM yields (notebook 11)
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)   # set by the engine
 
     def __post_init__(self):
@@ -72,6 +81,9 @@ class SamplingParams:
                 ("prompt_logprobs", Integral, True), ("skip_special_tokens", bool, False),
                 ("spaces_between_special_tokens", bool, False)):
             _check_type(name, getattr(self, name), (kind,), allow_none)
+        if self.output_kind not in tuple(RequestOutputKind):
+            raise ValueError(f"SamplingParams.output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        self.output_kind = RequestOutputKind(self.output_kind)
         self._normalize_lists()
         self._check_ranges()
 
@@ -153,7 +165,7 @@ def changes_logits(self: SamplingParams) -> bool:
 # %% ../notebooks/01_sequence.ipynb #c2f1a7d2
 UNSUPPORTED = {   # vLLM's other fields, with the value that means "not used"
     "structured_outputs": None, "guided_decoding": None, "logits_processors": None, "truncate_prompt_tokens": None,
-    "extra_args": None, "best_of": None, "output_kind": None, "detokenize": True, "flat_logprobs": False}
+    "extra_args": None, "best_of": None, "detokenize": True, "flat_logprobs": False}
 
 
 def _reject_unsupported(init):
