@@ -1,81 +1,21 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.exceptions import HTTPException
 
 from ..llm import as_prompt_list
 from ..outputs import RequestOutput
-from .async_llm import AsyncLLM, EngineDeadError, RequestOutputStream
+from .async_llm import AsyncLLM, RequestOutputStream
+from .errors import ERROR_KINDS, APIError, add_error_handlers
 from .metrics import EngineMetrics
+from .middleware import APIKeyCheck, BodyLimit
+from .openai_format import (chat_chunks, chat_logprobs, completion_choice, completion_chunks, sse, usage)
 from .protocol import ChatCompletionRequest, CompletionRequest
-
-
-class APIError(Exception):
-    "An error the client gets as OpenAI's JSON: {'error': {'message', 'type', 'param', 'code'}}."
-
-    def __init__(self, status: int, message: str, kind: str = "BadRequestError", headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.headers = status, message, kind, headers
-
-
-def error_response(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-ERROR_KINDS = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-               413: "RequestTooLarge", 503: "ServiceUnavailableError"}
-
-
-class APIKeyCheck:
-    "Every /v1 route answers 401 without `Authorization: Bearer <key>` (compared in constant time)."
-
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, b"Bearer " + api_key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                response = error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                          ERROR_KINDS[401])
-                return await response(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
-class BodyLimit:
-    "Bodies over `max_bytes` get 413, whether their Content-Length says so or they turn out longer."
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        message = f"the request body is over {self.max_bytes} bytes"
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await error_response(413, message, ERROR_KINDS[413])(scope, receive, send)
-        seen = 0
-
-        async def counted():   # a body without Content-Length (chunked) is counted as it arrives
-            nonlocal seen
-            received = await receive()
-            seen += len(received.get("body", b""))
-            if seen > self.max_bytes:
-                raise HTTPException(413, message)   # (FastAPI passes it on to the error handler)
-            return received
-        await self.app(scope, counted, send)
 
 
 def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_waiting_requests: int = 1024,
@@ -92,31 +32,6 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_wa
         app.add_middleware(APIKeyCheck, api_key=api_key)
     add_routes(app)
     return app
-
-
-def add_error_handlers(app: FastAPI) -> None:
-    "Every error as OpenAI's JSON with its status."
-    def handle(status: int):
-        return lambda request, e: error_response(status, str(e), ERROR_KINDS[status])
-    app.add_exception_handler(APIError, lambda request, e: error_response(e.status, e.message, e.kind, e.headers))
-    app.add_exception_handler(RequestValidationError, lambda request, e: error_response(
-        400, validation_message(e), ERROR_KINDS[400]))
-    app.add_exception_handler(HTTPException, lambda request, e: error_response(
-        e.status_code, str(e.detail), ERROR_KINDS.get(e.status_code, "Error"), getattr(e, "headers", None)))
-    app.add_exception_handler(ValueError, handle(400))
-    app.add_exception_handler(TypeError, handle(400))
-    app.add_exception_handler(EngineDeadError, handle(503))
-
-
-def validation_message(e: RequestValidationError) -> str:
-    "pydantic's errors in one line: `field: problem; ...`."
-    parts = []
-    for err in e.errors():
-        if err["type"] == "json_invalid":
-            return f"the body is not valid JSON ({err['ctx'].get('error', 'decode error')} at character {err['loc'][-1]})"
-        where = ".".join(str(x) for x in err["loc"][1:]) or "body"
-        parts.append(f"{where}: {err['msg']}")
-    return "; ".join(parts)
 
 
 def add_routes(app: FastAPI) -> None:
@@ -164,46 +79,6 @@ def submit(request: Request, model: str | None, prompts: list, params, prefix: s
     return streams
 
 
-async def completions(body: CompletionRequest, request: Request):
-    llm: AsyncLLM = request.app.state.llm
-    prompts = as_prompt_list(body.prompt)
-    params = body.sampling_params(llm.engine.default_params, body.max_tokens, body.logprobs)
-    streams = submit(request, body.model, prompts, params, "cmpl")
-    head = {"id": streams[0].request_id.rsplit("-", 1)[0], "created": int(time.time()),
-            "model": request.app.state.model_name}
-    if body.stream:
-        return sse(completion_chunks(streams, head, params.n, body.include_usage))
-    finals = await until_disconnected(request, streams)
-    choices = [completion_choice(i * params.n + c.index, c) for i, out in enumerate(finals) for c in out.outputs]
-    return {**head, "object": "text_completion", "choices": choices, "usage": usage(finals)}
-
-
-def completion_choice(index: int, c, offset: int = 0) -> dict:
-    return {"index": index, "text": c.text, "logprobs": completion_logprobs(c, offset),
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-
-
-def completion_logprobs(c, offset: int = 0) -> dict | None:
-    "OpenAI's completions format: tokens, token_logprobs, top_logprobs, text_offset."
-    if c.logprobs is None:
-        return None
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, entry in zip(c.token_ids, c.logprobs):
-        chosen = entry[token_id]
-        out["tokens"].append(chosen.decoded_token)
-        out["token_logprobs"].append(chosen.logprob)
-        out["top_logprobs"].append({lp.decoded_token: lp.logprob for lp in entry.values()})
-        out["text_offset"].append(offset)
-        offset += len(chosen.decoded_token or "")
-    return out
-
-
-def usage(outputs: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
 async def until_disconnected(request: Request, streams: list[RequestOutputStream]) -> list[RequestOutput]:
     "Every stream's final output; a client that hangs up first aborts them (checked twice a second)."
     async def final(stream):
@@ -223,60 +98,18 @@ async def until_disconnected(request: Request, streams: list[RequestOutputStream
             stream.close()
 
 
-def sse(events: AsyncIterator[dict]) -> StreamingResponse:
-    "Server-sent events: `data: <json>` per event, an error as an event, `data: [DONE]` at the end."
-    async def lines():
-        try:
-            async for event in events:
-                yield f"data: {json.dumps(event)}\n\n"
-        except (ValueError, TypeError, EngineDeadError) as e:
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': type(e).__name__}})}\n\n"
-        yield "data: [DONE]\n\n"
-    return StreamingResponse(lines(), media_type="text/event-stream")
-
-
-async def merge_streams(streams: list[RequestOutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    "(index, output) from all the streams as they come; leaving early (a client gone) aborts them all."
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestOutputStream) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((i, out))
-            queue.put_nowait((i, None))
-        except Exception as e:
-            queue.put_nowait((i, e))
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        ended = 0
-        while ended < len(tasks):
-            i, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item is None:
-                ended += 1
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        for stream in streams:
-            stream.close()
-
-
-async def completion_chunks(streams, head: dict, n: int, include_usage: bool) -> AsyncIterator[dict]:
-    sent, prompts, completion = {}, {}, 0   # characters sent per choice (for text_offset); prompt lengths
-    async for i, out in merge_streams(streams):
-        prompts[i] = len(out.prompt_token_ids) or prompts.get(i, 0)
-        for c in out.outputs:
-            index = i * n + c.index
-            completion += len(c.token_ids)
-            yield {**head, "object": "text_completion", "choices": [completion_choice(index, c, sent.get(index, 0))]}
-            sent[index] = sent.get(index, 0) + len(c.text)
-    if include_usage:
-        yield {**head, "object": "text_completion", "choices": [], "usage": {
-            "prompt_tokens": sum(prompts.values()), "completion_tokens": completion,
-            "total_tokens": sum(prompts.values()) + completion}}
+async def completions(body: CompletionRequest, request: Request):
+    llm: AsyncLLM = request.app.state.llm
+    prompts = as_prompt_list(body.prompt)
+    params = body.sampling_params(llm.engine.default_params, body.max_tokens, body.logprobs)
+    streams = submit(request, body.model, prompts, params, "cmpl")
+    head = {"id": streams[0].request_id.rsplit("-", 1)[0], "created": int(time.time()),
+            "model": request.app.state.model_name}
+    if body.stream:
+        return sse(completion_chunks(streams, head, params.n, body.include_usage))
+    finals = await until_disconnected(request, streams)
+    choices = [completion_choice(i * params.n + c.index, c) for i, out in enumerate(finals) for c in out.outputs]
+    return {**head, "object": "text_completion", "choices": choices, "usage": usage(finals)}
 
 
 async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -302,33 +135,3 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 "logprobs": chat_logprobs(c, logprobs), "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason} for c in finals[0].outputs]
     return {**head, "object": "chat.completion", "choices": choices, "usage": usage(finals)}
-
-
-def chat_logprobs(c, top: int | None) -> dict | None:
-    "OpenAI's chat format: per token its text, logprob, bytes and the `top` most likely alternatives."
-    if c.logprobs is None:
-        return None
-    def item(lp):
-        text = lp.decoded_token or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
-    content = []
-    for token_id, entry in zip(c.token_ids, c.logprobs):
-        best = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= top), key=lambda lp: lp.rank)
-        content.append({**item(entry[token_id]), "top_logprobs": [item(lp) for lp in best]})
-    return {"content": content}
-
-
-async def chat_chunks(streams, head: dict, top: int | None, include_usage: bool) -> AsyncIterator[dict]:
-    started, prompt, completion = set(), 0, 0
-    async for _, out in merge_streams(streams):
-        prompt = len(out.prompt_token_ids) or prompt
-        for c in out.outputs:
-            delta = {"content": c.text} if c.index in started else {"role": "assistant", "content": c.text}
-            started.add(c.index)
-            completion += len(c.token_ids)
-            choice = {"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, top),
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            yield {**head, "object": "chat.completion.chunk", "choices": [choice]}
-    if include_usage:
-        yield {**head, "object": "chat.completion.chunk", "choices": [],
-               "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
