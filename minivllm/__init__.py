@@ -4,7 +4,7 @@
 __all__ = []
 
 # %% ../notebooks/10_llm_engine.ipynb #305420ff
-from .entrypoints.async_llm import AsyncLLM
+from .entrypoints.async_llm import AsyncLLM   # (notebook 11)
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams

@@ -51,7 +51,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:   # `minivllm serve MODEL`: the OpenAI-compatible server (notebook 11)
-        from .entrypoints.cli import serve
+        from minivllm.entrypoints.cli import serve
         return serve(argv[1:])
     args = parse_args(argv)
     prompts = read_prompts(args)

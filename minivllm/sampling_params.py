@@ -40,7 +40,7 @@ def _token_ids(name: str, ids) -> list[int]:
     return [int(t) for t in ids]
 
 # %% auto #0
-__all__ = ['RequestOutputKind', 'UNSUPPORTED', 'SamplingParams']
+__all__ = ['UNSUPPORTED', 'RequestOutputKind', 'SamplingParams']
 
 # %% ../notebooks/01_sequence.ipynb #50c9a60d
 @dataclass
