@@ -6,6 +6,7 @@
     python -m minivllm.bench                                  # 256 requests, prompts 100-1024, outputs 100-1024 tokens
     python -m minivllm.bench --compare transformers --compare-num-seqs 64 --compare-max-output 256
     python -m minivllm.bench --prefix --out results.json      # + 256 requests sharing a 1,024-token prefix, cache on/off
+    python -m minivllm.bench serve --help                     # the serving benchmark (bench_serve.py)
 """
 from __future__ import annotations
 
@@ -199,12 +200,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a Qwen3 checkpoint folder (default: Qwen3-0.6B, random weights)")
-    ap.add_argument("--random-model-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "minivllm",
-                                                               "qwen3-0.6b-random"))
-    ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--max-input", type=int, default=1024)
-    ap.add_argument("--max-output", type=int, default=1024)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--random-model-dir", default=os.path.expanduser("~/.cache/minivllm/qwen3-0.6b-random"))
+    for flag, default in (("--num-seqs", 256), ("--max-input", 1024), ("--max-output", 1024), ("--seed", 0)):
+        ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--compare", choices=["transformers"], default=None,
                     help="also run transformers' continuous batching on the same (or the --compare-*) workload")
@@ -215,10 +213,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip-standard", action="store_true", help="skip the standard workload")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    for flag, default in (("--block-size", 16), ("--max-num-seqs", 256), ("--max-num-batched-tokens", 16384),
+                          ("--max-model-len", 4096)):
+        ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s for the roofline (H200 copy: 4.3e12)")
     ap.add_argument("--flops", type=float, default=790e12, help="FLOP/s for the roofline (H200 bf16: 790e12)")
@@ -254,8 +251,7 @@ def run_workloads(args: argparse.Namespace, model: str, spec: dict, engine_kwarg
         bound = roofline(spec, list(map(len, prompts)), outs, args.bandwidth, args.flops)
         result, trace = run_minivllm(model, prompts, outs, "standard", args.temperature, **engine_kwargs)
         report.add(result, bound, trace)
-        host = host_time_per_decode_step(trace, 256)
-        if host is not None:
+        if (host := host_time_per_decode_step(trace, 256)) is not None:
             print(f"host time per decode step at batch 256: {host * 1e3:.2f} ms (median)")
     if args.compare:
         prompts, outs = standard_workload(args.compare_num_seqs or args.num_seqs, args.compare_max_input or
@@ -276,6 +272,10 @@ def run_workloads(args: argparse.Namespace, model: str, spec: dict, engine_kwarg
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:   # `python -m minivllm.bench serve ...`: the serving benchmark
+        from minivllm.bench_serve import main as serve
+        return serve(argv[1:])
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("the GPU benchmark needs a CUDA device; on a CPU, see tools/cpu_bench.py", file=sys.stderr)
