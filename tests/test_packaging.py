@@ -1,8 +1,9 @@
 """The package as users install it (project issue 12): the engine runs without the course's libraries.
 
 `pip install minivllm` brings what the engine needs; the pictures and players of the notebooks (matplotlib,
-ipywidgets) come with the `course` extra. A subprocess that makes those imports fail still imports every runtime
-module and generates; the drawing modules stay importable where the course's libraries are installed.
+ipywidgets) come with the `course` extra, the HTTP server (FastAPI, uvicorn, Prometheus' client) with the `serve`
+extra (project issue 15). A subprocess that makes those imports fail still imports every runtime module (`AsyncLLM`
+included) and generates; the drawing modules and the server stay importable where their libraries are installed.
 """
 from __future__ import annotations
 
@@ -16,13 +17,16 @@ import pytest
 
 import minivllm
 
-COURSE_ONLY = ("viz",)   # minivllm.viz, viz_timeline, viz_bench: the drawing modules
-BLOCKED = ("matplotlib", "ipywidgets")
+COURSE_ONLY = ("viz",)   # minivllm.viz, viz_timeline, viz_bench, viz_serving: the drawing modules
+BLOCKED = ("matplotlib", "ipywidgets", "fastapi", "starlette", "uvicorn", "prometheus_client")
+SERVER = {f"minivllm.entrypoints.{m}" for m in ("api_server", "cli", "errors", "metrics", "middleware", "openai_format",
+                                                "protocol")}   # the `serve` extra
 
 
 def runtime_modules() -> list[str]:
     return sorted(m.name for m in pkgutil.walk_packages(minivllm.__path__, "minivllm.")
-                  if not m.name.split(".")[-1].startswith(COURSE_ONLY) and m.name != "minivllm.__main__")
+                  if not m.name.split(".")[-1].startswith(COURSE_ONLY) and m.name != "minivllm.__main__"
+                  and m.name not in SERVER)
 
 
 @pytest.mark.timeout(300)
@@ -56,12 +60,23 @@ def test_the_drawing_modules_import_with_the_course_libraries():
     assert callable(minivllm.viz.draw_kv_cache) and callable(minivllm.viz_timeline.draw_timeline)
     assert callable(minivllm.viz_bench.plot_report)
     assert "minivllm.engine.llm_engine" in runtime_modules() and "minivllm.viz" not in runtime_modules()
+    assert "minivllm.entrypoints.async_llm" in runtime_modules()
+
+
+def test_the_server_modules_import_with_the_serve_extra():
+    import importlib
+    for name in sorted(SERVER):
+        importlib.import_module(name)
+    from minivllm.entrypoints.api_server import build_app
+    from minivllm.entrypoints.cli import serve
+    assert callable(build_app) and callable(serve)
 
 
 def test_star_import_gives_the_public_api():
     namespace: dict = {}
     exec("from minivllm import *", namespace)
-    assert {"LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TINY_MODEL_PATH"} <= set(namespace)
+    assert {"LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+            "TINY_MODEL_PATH"} <= set(namespace)
 
 
 @pytest.mark.timeout(240)
