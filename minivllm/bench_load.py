@@ -105,13 +105,17 @@ async def send_request(client, url: str, body: dict, run_start: float) -> Reques
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #74f1963a
 def keeps_up(results: list[RequestResult], slack: float = 2.0, floor: float = 0.1) -> bool:
     """Whether the server kept up with the arrivals: every request done, and the last quarter of them (by sending time)
-    waited for their first token at most `slack` x the first quarter's median wait + `floor` s (no growing queue)."""
+    took at most `slack` x the first quarter's median + `floor` s, to the first token and to the end (no growing queue,
+    no batch that grows without end)."""
     if not results or not all(r.ok for r in results):
         return False
     by_time = sorted(results, key=lambda r: r.sent_at)
     q = max(1, len(by_time) // 4)
-    first, last = (percentile([r.ttft for r in part], 50) for part in (by_time[:q], by_time[-q:]))
-    return last <= slack * first + floor
+    for wait in (lambda r: r.ttft, lambda r: r.e2e):
+        first, last = (percentile([wait(r) for r in part], 50) for part in (by_time[:q], by_time[-q:]))
+        if last > slack * first + floor:
+            return False
+    return True
 
 
 def summarize(results: list[RequestResult], duration: float, rate: float | None = None) -> dict:
@@ -132,7 +136,8 @@ def summarize(results: list[RequestResult], duration: float, rate: float | None 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #e22362f6
 async def run_rate(base_url: str, bodies: list[dict], arrivals: list[float], deadline: float | None = None
                    ) -> tuple[list[RequestResult], float]:
-    "Send `bodies[i]` at `arrivals[i]` s, all streamed at once: what each saw, and the seconds until the last ended."
+    """Send `bodies[i]` at `arrivals[i]` s, all streamed at once: what each saw, and the seconds until the last ended
+    (or until `deadline` s after the last was sent: those still running are cancelled, and fail)."""
     import httpx   # (here: the rest of minivllm does not need it)
     url = base_url.rstrip("/").removesuffix("/v1") + "/v1/completions"
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)   # (httpx's default: 100 at once)
@@ -143,12 +148,12 @@ async def run_rate(base_url: str, bodies: list[dict], arrivals: list[float], dea
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             return await send_request(client, url, body, start)
         tasks = [asyncio.create_task(one(b, at)) for b, at in zip(bodies, arrivals)]
-        done, pending = await asyncio.wait(tasks, timeout=deadline)
+        done, pending = await asyncio.wait(tasks, timeout=None if deadline is None else max(arrivals) + deadline)
         for task in pending:   # the client hangs up: the server aborts them
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         duration = time.perf_counter() - start
-    late = RequestResult(error=f"not finished {deadline} s after the run started")
+    late = RequestResult(error=f"not finished {deadline} s after the last request was sent")
     return [t.result() if t in done else late for t in tasks], duration
 
 

@@ -44,7 +44,7 @@ def free_port() -> int:
 
 # %% auto #0
 __all__ = ['BACKENDS', 'HEADER', 'free_port', 'server', 'healthy', 'with_word_tokenizer', 'parse_args', 'server_command',
-           'request_bodies', 'table_row', 'bench_backend', 'main']
+           'request_bodies', 'table_row', 'bench_backend', 'main', 'on_sigterm']
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #40be62d2
 @contextmanager
@@ -114,7 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--transformers-args", default="", help="more flags for `transformers serve`, in one string")
     ap.add_argument("--request-rate", type=float, nargs="+", default=[1.0, 4.0, 16.0, math.inf],
                     help="requests per second (Poisson arrivals), a run each; inf: all at once")
-    ap.add_argument("--num-prompts", type=int, default=100, help="requests per rate")
+    ap.add_argument("--num-prompts", type=int, default=100, help="requests per rate (with --duration: at rate inf)")
+    ap.add_argument("--duration", type=float, default=None, help="send each finite rate for this many seconds")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--prompt-format", choices=["ids", "text"], default=None,
@@ -124,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--served-model-name", default=None, help="the requests' `model` field (default: none sent)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=2, help="requests sent, not counted, before the first rate")
-    ap.add_argument("--rate-timeout", type=float, default=None, help="end a rate's run after this many seconds")
+    ap.add_argument("--rate-timeout", type=float, default=None, help="end a run this many s after its last request")
     ap.add_argument("--server-timeout", type=float, default=600.0, help="seconds for a server to become healthy")
     ap.add_argument("--server-log", default=None, help="where the servers' output goes ({backend}: its name)")
     ap.add_argument("--out", default=None, help="write the results, every request's too, to this JSON file")
@@ -191,7 +192,8 @@ def bench_backend(args: argparse.Namespace, backend: str, model: str, report: di
             print(f"{backend}: {entry['error']}", file=sys.stderr, flush=True)
             return
         for i, rate in enumerate(args.request_rate):   # each rate its own prompts: no prefix-cache hits between them
-            prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed + 1 + i, skip)
+            n = args.num_prompts if args.duration is None or math.isinf(rate) else max(1, round(rate * args.duration))
+            prompts = random_prompts(n, args.input_len, vocab, args.seed + 1 + i, skip)
             results, seconds = run_async(run_rate(url, request_bodies(args, backend, prompts, tokenizer),
                                                   poisson_arrivals(len(prompts), rate, args.seed), args.rate_timeout))
             summary = summarize(results, seconds, rate)
@@ -210,8 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     report = dict(command=shlex.join(["python", "-m", "minivllm.bench", "serve", *argv]), model=model,
                   random_weights=random_weights, environment=environment(), servers=[], runs=[],
                   args={**vars(args), "request_rate": [f"{r:g}" for r in args.request_rate]})
-    print(f"{os.path.basename(model)}{' (RANDOM WEIGHTS)' if random_weights else ''}: {args.num_prompts} requests a rate, "
-          f"{args.input_len} prompt + {args.output_len} output tokens each\n{HEADER}", flush=True)
+    each = f"{args.duration:g} s" if args.duration else f"{args.num_prompts} requests"
+    print(f"{os.path.basename(model)}{' (RANDOM WEIGHTS)' if random_weights else ''}: {each} a rate, {args.input_len} "
+          f"prompt + {args.output_len} output tokens a request\n{HEADER}", flush=True)
+    previous = on_sigterm(lambda *_: sys.exit(143))   # (`timeout` or a job's end: the servers are stopped first)
     try:
         for backend in args.backend:
             try:
@@ -220,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{backend}: {e}", file=sys.stderr, flush=True)
                 report["servers"].append(dict(backend=backend, error=str(e)))
     finally:
+        on_sigterm(previous)
         kept = {b: [float(r["request_rate"]) for r in report["runs"] if r["backend"] == b and r["kept_up"]]
                 for b in args.backend}
         report["highest_rate_kept_up"] = {b: max(rates, default=None) for b, rates in kept.items()}
@@ -228,6 +233,14 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(report, f, indent=1)
     print(f"the highest rate each kept up with: {report['highest_rate_kept_up']}")
     return 0 if report["runs"] and not any(r["failed"] for r in report["runs"]) else 1
+
+
+def on_sigterm(handler):
+    "Install `handler` for SIGTERM and return the one before (None where signals cannot be handled: not the main thread)."
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except (ValueError, TypeError):
+        return None
 
 
 if __name__ == "__main__" and "ipykernel" not in sys.modules:

@@ -3,7 +3,7 @@
 # %% ../../notebooks/10_llm_engine.ipynb #8b687c5a
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastcore.basics import patch
 
@@ -108,15 +108,21 @@ class ParentRequest:
     request_id: str
     children: list[Request]
     sent_final: bool = False   # (several children may finish in one step: the final output goes out once)
+    ended: set[int] = field(default_factory=set)   # streaming: the children whose last delta went out
 
     def output(self, child: Request, tokenizer) -> RequestOutput | None:
-        "Streaming: the child's new tokens. Otherwise: every child's completion, once the last one has finished."
-        finished = all(c.seq.is_finished for c in self.children)
-        if not child.stream and (not finished or self.sent_final):
-            return None
-        self.sent_final = finished
+        """Streaming: the child's new tokens, `finished` on the last child's last delta. Otherwise: every child's
+        completion, once the last one has finished."""
+        if child.stream:
+            if child.seq.is_finished:
+                self.ended.add(child.index)
+            finished, outputs = len(self.ended) == len(self.children), [child.completion(tokenizer)]
+        else:
+            finished = all(c.seq.is_finished for c in self.children)
+            if not finished or self.sent_final:
+                return None
+            self.sent_final, outputs = True, [c.completion(tokenizer) for c in self.children]
         first = self.children[0]
-        outputs = [child.completion(tokenizer)] if child.stream else [c.completion(tokenizer) for c in self.children]
         return RequestOutput(self.request_id, first.prompt, first.seq.prompt_token_ids, outputs, finished,
                              first.metrics, first.seq.num_cached_tokens, first.prompt_logprobs)
 
