@@ -7,8 +7,6 @@ import dataclasses
 import os
 from numbers import Integral
 
-from transformers import AutoTokenizer
-
 from ..layers.logits_processors import RECENT_TOKENS
 from ..sampling_params import SamplingParams
 
@@ -22,6 +20,7 @@ def load_tokenizer(model: str, vocab_size: int):
         # transformers would make an empty tokenizer from config.json alone, which turns every prompt into []
         raise ValueError(f"no tokenizer in {model!r}: none of {', '.join(TOKENIZER_FILES)} is there; copy the "
                          f"checkpoint's tokenizer files into the folder, {_NO_TOKENIZER}")
+    from transformers import AutoTokenizer   # (imported when needed: it costs seconds)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
     except (OSError, ValueError, TypeError) as e:

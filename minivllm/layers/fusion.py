@@ -10,11 +10,15 @@ import torch
 
 def fused_on_gpu(fn):
     "Run `fn` compiled by `torch.compile` (its elementwise ops fused into one kernel) on CUDA tensors, as-is elsewhere."
-    compiled = torch.compile(fn, dynamic=True)
+    compiled = None   # made at the first CUDA call: importing torch.compile's machinery costs seconds
 
     @functools.wraps(fn)
     def wrapper(x: torch.Tensor, *args, **kwargs):
-        return compiled(x, *args, **kwargs) if x.is_cuda else fn(x, *args, **kwargs)
+        nonlocal compiled
+        if not x.is_cuda:
+            return fn(x, *args, **kwargs)
+        compiled = compiled or torch.compile(fn, dynamic=True)
+        return compiled(x, *args, **kwargs)
     return wrapper
 
 # %% auto #0

@@ -3,9 +3,10 @@
 # %% ../../notebooks/08_qwen3.ipynb #cf861788
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from transformers import Qwen3Config
 
 from ..distributed.parallel_state import SINGLE, TPGroup
 from ..layers.activation import SiluAndMul
@@ -14,6 +15,9 @@ from ..layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from ..layers.layernorm import RMSNorm
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
+
+if TYPE_CHECKING:   # (only named in type hints: importing it for real costs seconds)
+    from transformers import Qwen3Config
 
 
 class Qwen3Attention(nn.Module):

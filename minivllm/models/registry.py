@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from ..distributed.parallel_state import SINGLE, TPGroup
 from .loader import load_model
@@ -50,6 +50,7 @@ def load_config(path: str | Path) -> PretrainedConfig:
     if model_type not in MODEL_REGISTRY:
         raise ValueError(f"{str(path)!r} holds a model of type {model_type!r}; minivllm runs "
                          f"{', '.join(MODEL_REGISTRY)} models")
+    from transformers import AutoConfig   # (imported when needed: it costs seconds)
     return AutoConfig.from_pretrained(folder, local_files_only=True)
 
 # %% ../../notebooks/08_qwen3.ipynb #660f3079
