@@ -103,14 +103,16 @@ async def send_request(client, url: str, body: dict, run_start: float) -> Reques
     return res
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #74f1963a
-def keeps_up(results: list[RequestResult], slack: float = 2.0, floor: float = 0.1) -> bool:
+def keeps_up(results: list[RequestResult], slack: float = 2.0, floor: float = 0.1) -> bool | None:
     """Whether the server kept up with the arrivals: every request done, and the last quarter of them (by sending time)
     took at most `slack` x the first quarter's median + `floor` s, to the first token and to the end (no growing queue,
-    no batch that grows without end)."""
+    no batch that grows without end). None: too short a run to tell, all sent before the first ones had finished."""
     if not results or not all(r.ok for r in results):
         return False
     by_time = sorted(results, key=lambda r: r.sent_at)
     q = max(1, len(by_time) // 4)
+    if by_time[-1].sent_at < percentile([r.e2e for r in by_time[:q]], 50):
+        return None
     for wait in (lambda r: r.ttft, lambda r: r.e2e):
         first, last = (percentile([wait(r) for r in part], 50) for part in (by_time[:q], by_time[-q:]))
         if last > slack * first + floor:

@@ -164,7 +164,7 @@ def table_row(backend: str, s: dict) -> str:
     "A backend at a rate, in the columns of HEADER."
     ms = ["-" if s[k] is None else f"{s[k]:.1f}" for k in ("p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms",
                                                             "p50_e2e_ms", "p99_e2e_ms")]
-    return (f"{backend:13} {s['request_rate']:>5g} {s['completed']:>4} {s['failed']:>4} {s['request_throughput']:>6.2f} "
+    return (f"{backend:13} {float(s['request_rate']):>5g} {s['completed']:>4} {s['failed']:>4} {s['request_throughput']:>6.2f} "
             f"{s['output_throughput']:>7.0f} |     {ms[0]:>8} {ms[1]:>7} {ms[2]:>7} {ms[3]:>6} {ms[4]:>7} {ms[5]:>7} | "
             + {True: "yes", False: "no", None: "-"}[s["kept_up"]])
 

@@ -48,7 +48,7 @@ def plot_report(report: dict, path: str | None = None):
     return fig
 
 # %% auto #0
-__all__ = ['plot_report', 'plot_decode_steps']
+__all__ = ['plot_report', 'plot_decode_steps', 'plot_serving']
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #6a100464
 def plot_decode_steps(measured: list[float], lines: dict[str, list[float]], batch: list[int],
@@ -62,6 +62,30 @@ def plot_decode_steps(measured: list[float], lines: dict[str, list[float]], batc
     times.legend(fontsize=8)
     sizes.plot(batch, color="tab:gray")
     sizes.set(xlabel="decode step", ylabel="batch size")
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+    return fig
+
+# %% ../notebooks/13_qwen3_on_gpu.ipynb #0587795d
+def plot_serving(runs: list[dict], path: str | None = None):
+    "Per backend, against the request rate: output throughput, TTFT and ITL (p50 solid, p99 dashed), from bench serve."
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for backend, colour in zip(dict.fromkeys(r["backend"] for r in runs), ["tab:blue", "tab:orange", "tab:green"]):
+        done = [r for r in runs if r["backend"] == backend and r["request_rate"] != "inf" and not r["failed"]]
+        rates = [float(r["request_rate"]) for r in done]
+        axes[0].plot(rates, [r["output_throughput"] for r in done], "o-", color=colour, label=backend)
+        for ax, key in zip(axes[1:], ("ttft", "itl")):
+            ax.plot(rates, [r[f"p50_{key}_ms"] for r in done], "o-", color=colour, label=f"{backend} p50")
+            ax.plot(rates, [r[f"p99_{key}_ms"] for r in done], "o--", color=colour, alpha=0.5, label=f"{backend} p99")
+    axes[0].set(ylabel="output tokens/s", title="throughput")
+    axes[1].set(ylabel="ms", yscale="log", title="time to first token")
+    axes[2].set(ylabel="ms", yscale="log", title="inter-token latency")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("request rate (requests/s)")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=120, bbox_inches="tight")
