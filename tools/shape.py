@@ -21,6 +21,8 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "issue 12, the redesign: the size before it": 4779,
     "issue 14, vLLM's sampling fields (penalties, min_tokens, logit_bias, allowed ids, bad words with a device-side "
     "token history; n samples; prompt_logprobs; Logprob), checkpoint defaults, Hub ids": 583,
+    "issue 15, serving: AsyncLLM (engine thread, streams, output kinds), Prometheus metrics, the OpenAI-compatible "
+    "server (protocol, errors, middleware, formats, routes), `minivllm serve`; n > 1 streams that end right": 918,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code
