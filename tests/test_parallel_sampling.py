@@ -59,6 +59,12 @@ def test_n_samples_stream_and_abort_under_the_parents_id(llm):
         assert len(out.outputs) == 1
         seen[out.outputs[0].index] += out.outputs[0].token_ids
     assert len(seen[0]) == len(seen[1]) == 5
+    # both samples end in the same step: `finished` only on the last delta, so a reader that stops there has all
+    engine.add_request("both", PROMPT, SamplingParams(max_tokens=4, n=2, ignore_eos=True), stream=True)
+    deltas = [o for _ in range(20) if engine.has_unfinished_requests() for o in engine.step()]
+    assert [o.finished for o in deltas].index(True) == len(deltas) - 1
+    assert sorted(sum((len(o.outputs[0].token_ids) for o in deltas if o.outputs[0].index == i), 0) for i in (0, 1)) \
+        == [4, 4]
     request_id = engine.add_request(None, PROMPT, SamplingParams(max_tokens=50, n=3))
     engine.step()
     assert len(engine.requests) == 3 and set(engine.requests) == {f"{i}_{request_id}" for i in range(3)}
