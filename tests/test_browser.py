@@ -7,17 +7,19 @@ folder, so that JupyterLab's autosave never touches the repository's.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+import _net
+from _net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ["00_tour.ipynb", "02_block_manager.ipynb", "03_scheduler.ipynb"]
@@ -52,21 +54,7 @@ return state;
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
-    "Poll `condition()` until it returns something truthy; fail (naming `what`) after `timeout` seconds."
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+wait_for = functools.partial(_net.wait_for, interval=0.5)   # (a browser is polled less often)
 
 
 @pytest.fixture(scope="module")

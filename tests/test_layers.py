@@ -3,7 +3,6 @@ tensor-parallel shard arithmetic (ranks built explicitly in one process with `tp
 2-process gloo group)."""
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +16,7 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3Attention, Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
+from _net import free_port
 from minivllm.distributed.parallel_state import (SINGLE, TPGroup, all_gather_last_dim, all_reduce, broadcast, divide)
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -450,12 +450,6 @@ def test_embedding_and_head_bad_input():
 
 
 # ---------------------------------------------------------------- a real 2-process group (gloo, CPU)
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_layers_over_a_real_process_group():
     "Two processes, gloo: the layers built with TPGroup(rank, 2, WORLD, WORLD); their collectives give full results."

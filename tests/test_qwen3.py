@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
+from _net import free_port
 from minivllm.layers.attention import Attention, AttentionMetadata
 from minivllm.layers.rotary_embedding import RotaryEmbedding
 from minivllm.models.loader import load_model, load_weights
@@ -446,12 +446,6 @@ def test_packed_weights_mapping():
 
 
 # ---------------------------------------------------------------- tensor parallel: 2 processes, shards cut at load
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_tensor_parallel_model_matches_hf(tmp_path):
     "TP=2 over gloo: each rank loads its shards from the full checkpoint; the gathered logits match transformers."

@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +37,7 @@ import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from _net import free_port, wait_for
 from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
 from minivllm.entrypoints.api_server import build_app
 from minivllm.entrypoints.async_llm import AsyncLLM, EngineDeadError
@@ -56,21 +56,6 @@ STREAM_GREEDY = SamplingParams(temperature=0, max_tokens=STREAM_TOKENS, ignore_e
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
-    "Poll `condition()` until it returns something truthy; fail (naming `what`) after `timeout` seconds."
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def engine_idle(llm: AsyncLLM) -> bool:
