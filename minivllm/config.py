@@ -61,7 +61,7 @@ def resolve_dtype(dtype: str, device: str, hf_config: PretrainedConfig) -> torch
 def check_types(cfg) -> None:
     "TypeErrors for fields of the wrong type (a `max_num_seqs='8'` from a command line, say)."
     if not isinstance(cfg.model, (str, os.PathLike)):
-        raise TypeError(f"model must be the path of a Qwen3 checkpoint folder, got {type(cfg.model).__name__}")
+        raise TypeError(f"model must be the path of a checkpoint folder or a Hub id, got {type(cfg.model).__name__}")
     optional = ("max_model_len", "num_kvcache_blocks")
     for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "seed") + optional:
         value = getattr(cfg, name)
@@ -70,7 +70,7 @@ def check_types(cfg) -> None:
     for names, kinds, want in ((("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill",
                                  "skip_tokenizer_init", "async_scheduling"), bool, "True or False"),
                                (("gpu_memory_utilization", "cpu_kvcache_space_gib"), (int, float), "a number"),
-                               (("dtype", "device", "generation_config"), str, "a string")):
+                               (("dtype", "device", "generation_config", "load_format"), str, "a string")):
         for name in names:
             value = getattr(cfg, name)
             if not isinstance(value, kinds) or isinstance(value, bool) and kinds is not bool:   # a bool is no number
@@ -130,6 +130,7 @@ class Config:
     skip_tokenizer_init: bool = False           # token ids in, token ids out (no text)
     async_scheduling: bool = True               # launch the next decode step before collecting this one
     generation_config: str = "auto"             # auto: default sampling from generation_config.json; vllm: ignore it
+    load_format: str = "auto"                   # dummy: seeded random weights made in place (config.json suffices)
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -145,6 +146,7 @@ class Config:
         check_sizes(self)
         _check(self.generation_config in ("auto", "vllm"),
                f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
+        _check(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         self.attention_backend = select_backend(self.device, self.block_size, self.attention_backend)
 
     @classmethod

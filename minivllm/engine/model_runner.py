@@ -51,7 +51,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.kv_cache = self.graphs = None
-        self.model = build_model(config.hf_config, config.model, config.torch_dtype, self.device, tp)
+        self.model = build_model(config.hf_config, config.model, config.torch_dtype, self.device, tp,
+                                 config.load_format, config.seed)
         try:   # a failure from here on (a cache too small, out of memory) must not keep the weights alive
             for layer in attention_layers(self.model):
                 layer.backend = config.attention_backend

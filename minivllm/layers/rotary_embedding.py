@@ -9,9 +9,15 @@ from torch import nn
 from .fusion import fused_on_gpu
 
 
-def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float) -> torch.Tensor:
+ROPE_SCALINGS: dict = {}   # rope_type -> fn(inv_freq, rope_scaling) -> rescaled inv_freq (Llama 3's, below)
+
+
+def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float,
+                       rope_scaling: dict | None = None) -> torch.Tensor:
     "`[max_position, rotary_dim]` float32: `cos(p * theta_i)` for the rotary_dim/2 pairs, then `sin(p * theta_i)`."
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    if rope_scaling:   # a context-extension scheme rescales the angles (registered below)
+        inv_freq = ROPE_SCALINGS[_rope_type(rope_scaling)](inv_freq, rope_scaling)
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
@@ -29,26 +35,30 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 # %% auto #0
-__all__ = ['rope_cos_sin_cache', 'apply_rotary', 'rotate_qk', 'RotaryEmbedding', 'rope_parameters', 'get_rope']
+__all__ = ['ROPE_SCALINGS', 'rope_cos_sin_cache', 'apply_rotary', 'rotate_qk', 'RotaryEmbedding', 'rope_parameters', 'get_rope',
+           'llama3_inv_freq']
 
 # %% ../../notebooks/04_layers.ipynb #0fcbab2f
 class RotaryEmbedding(nn.Module):
     "Neox-style rotary position embedding with a precomputed float32 cos/sin cache."
 
-    def __init__(self, head_size: int, rotary_dim: int, max_position: int, base: float):
+    def __init__(self, head_size: int, rotary_dim: int, max_position: int, base: float,
+                 rope_scaling: dict | None = None):
         super().__init__()
         if rotary_dim % 2 or not 0 < rotary_dim <= head_size:
             raise ValueError(f"rotary_dim must be even and in (0, head_size={head_size}], got {rotary_dim}")
         if max_position < 1 or base <= 0:
             raise ValueError(f"max_position must be >= 1 and base > 0, got {max_position} and {base}")
         self.head_size, self.rotary_dim, self.max_position, self.base = head_size, rotary_dim, max_position, base
-        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(rotary_dim, max_position, base), persistent=False)
+        self.rope_scaling = rope_scaling
+        cache = rope_cos_sin_cache(rotary_dim, max_position, base, rope_scaling)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def _apply(self, fn, recurse=True):
         "The table moves with the model (`.to(device)`), but stays float32: in bfloat16 the angles would round."
         super()._apply(fn, recurse)
         if self.cos_sin_cache.dtype != torch.float32:
-            cache = rope_cos_sin_cache(self.rotary_dim, self.max_position, self.base)
+            cache = rope_cos_sin_cache(self.rotary_dim, self.max_position, self.base, self.rope_scaling)
             self.cos_sin_cache = cache.to(self.cos_sin_cache.device)
         return self
 
@@ -68,7 +78,9 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def extra_repr(self) -> str:
-        return f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, base={self.base}"
+        scaling = f", rope_type={_rope_type(self.rope_scaling)}" if self.rope_scaling else ""
+        return (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, "
+                f"base={self.base}{scaling}")
 
 # %% ../../notebooks/04_layers.ipynb #34b4c5b4
 def rope_parameters(config) -> tuple[float, dict | None]:
@@ -92,7 +104,21 @@ def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
              rope_scaling: dict | None = None) -> RotaryEmbedding:
     "A `RotaryEmbedding` for these parameters (a model makes one and its layers share it); unsupported scaling fails."
     kind = _rope_type(rope_scaling)
-    if kind != "default":
-        raise ValueError(f"rope scaling type {kind!r} is not supported by minivllm (only the default rotary embedding); "
-                         f"remove rope_scaling from the model config to run it without context extension")
-    return RotaryEmbedding(int(head_size), int(rotary_dim), int(max_position), float(base))
+    if kind != "default" and kind not in ROPE_SCALINGS:
+        raise ValueError(f"rope scaling type {kind!r} is not supported by minivllm (it runs the default rotary "
+                         f"embedding and {', '.join(ROPE_SCALINGS)}); remove rope_scaling from the model config to "
+                         f"run it without context extension")
+    return RotaryEmbedding(int(head_size), int(rotary_dim), int(max_position), float(base),
+                           None if kind == "default" else rope_scaling)
+
+# %% ../../notebooks/04_layers.ipynb #09bc1572
+def llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.Tensor:
+    "Llama 3's context extension: slow pairs slowed by `factor`, fast ones kept, a smooth blend between them."
+    factor, low, high = rope_scaling["factor"], rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
+    old_context = rope_scaling["original_max_position_embeddings"]
+    wavelen = 2 * torch.pi / inv_freq
+    smooth = ((old_context / wavelen - low) / (high - low)).clamp(0, 1)   # 0: slow pair, 1: fast pair
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+ROPE_SCALINGS["llama3"] = llama3_inv_freq

@@ -27,21 +27,24 @@ def safetensors_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"cannot read {file.name}: it is not a complete safetensors file ({e})") from e
 
 # %% auto #0
-__all__ = ['safetensors_weights', 'packed_name', 'checkpoint_names', 'default_weight_loader', 'load_weights', 'load_model']
+__all__ = ['safetensors_weights', 'packed_name', 'checkpoint_names', 'default_weight_loader', 'load_weights', 'load_model',
+           'dummy_weights_']
 
 # %% ../../notebooks/08_qwen3.ipynb #d2b78a29
 def packed_name(name: str, mapping: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:
     "`(parameter name, shard id)` for a checkpoint tensor name: `...q_proj.weight` -> `(...qkv_proj.weight, 'q')`."
+    dotted = f"{name}."   # (so a part may also end the name: `experts.3.gate_proj.weight`, section 5)
     for part, (packed, shard_id) in mapping.items():
-        if f".{part}." in name:
-            return name.replace(f".{part}.", f".{packed}.", 1), shard_id
+        if f".{part}." in dotted:
+            return dotted.replace(f".{part}.", f".{packed}.", 1)[:-1], shard_id
     return name, None
 
 
 def checkpoint_names(param_name: str, mapping: dict[str, tuple[str, str | int]]) -> dict[str | int | None, str]:
     "The checkpoint tensor(s) a parameter is loaded from, by shard id (`{None: name}` for an unpacked parameter)."
-    names = {shard_id: param_name.replace(f".{packed}.", f".{part}.", 1)
-             for part, (packed, shard_id) in mapping.items() if f".{packed}." in param_name}
+    dotted = f"{param_name}."
+    names = {shard_id: dotted.replace(f".{packed}.", f".{part}.", 1)[:-1]
+             for part, (packed, shard_id) in mapping.items() if f".{packed}." in dotted}
     return names or {None: param_name}
 
 # %% ../../notebooks/08_qwen3.ipynb #0a323016
@@ -86,3 +89,18 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
 
 def load_model(model: nn.Module, path: str | Path, mapping: dict[str, tuple[str, str | int]]) -> nn.Module:
     return load_weights(model, safetensors_weights(path), mapping)
+
+
+def dummy_weights_(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
+    "vLLM's `load_format='dummy'`: every parameter filled in place on its device (norms 1, biases 0, else N(0, std))."
+    gens: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gen = gens.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=gen)
+    return model

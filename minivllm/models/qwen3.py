@@ -3,6 +3,8 @@
 # %% ../../notebooks/08_qwen3.ipynb #cf861788
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,57 +19,83 @@ from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowPa
 from ..layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
 
 if TYPE_CHECKING:   # (only named in type hints: importing it for real costs seconds)
-    from transformers import Qwen3Config
+    from transformers import PretrainedConfig, Qwen3Config
 
 
 class Qwen3Attention(nn.Module):
     "Qwen3 self-attention: packed QKV, RMSNorm on every query/key head, rotary embedding, paged attention, o_proj."
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_emb: RotaryEmbedding,
-                 rms_norm_eps: float = 1e-6, qkv_bias: bool = False, *, tp: TPGroup = SINGLE):
+                 rms_norm_eps: float = 1e-6, qkv_bias: bool = False, *, o_bias: bool | None = None,
+                 qk_norm: bool = True, tp: TPGroup = SINGLE):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, bias=qkv_bias, tp=tp)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # on this rank
         self.head_dim, self.q_size, self.kv_size = head_dim, self.num_heads * head_dim, self.num_kv_heads * head_dim
-        self.q_norm, self.k_norm = RMSNorm(head_dim, eps=rms_norm_eps), RMSNorm(head_dim, eps=rms_norm_eps)
+        self.qk_norm = qk_norm   # Qwen3's addition to Llama's attention (the families of section 5 go without)
+        if qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(head_dim, eps=rms_norm_eps), RMSNorm(head_dim, eps=rms_norm_eps)
         self.rotary_emb = rotary_emb   # the model's one table of angles, shared by its layers
         self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=qkv_bias, tp=tp)
+        o_bias = qkv_bias if o_bias is None else o_bias
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias, tp=tp)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 meta: AttentionMetadata | None = None) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta).flatten(1, -1))
 
 # %% auto #0
-__all__ = ['QWEN3_PACKED_WEIGHTS', 'Qwen3Attention', 'Qwen3MLP', 'Qwen3DecoderLayer', 'head_dim', 'check_config', 'Qwen3Model',
-           'Qwen3ForCausalLM']
+__all__ = ['QWEN3_PACKED_WEIGHTS', 'Qwen3Attention', 'Qwen3MLP', 'DecoderTraits', 'qwen3_traits', 'dense_mlp',
+           'Qwen3DecoderLayer', 'head_dim', 'check_config', 'Qwen3Model', 'Qwen3ForCausalLM']
 
 # %% ../../notebooks/08_qwen3.ipynb #a3381abe
 class Qwen3MLP(nn.Module):
     "Qwen3's gated MLP: `down(silu(gate(x)) * up(x))`, with gate and up in one matmul."
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, tp: TPGroup = SINGLE):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, *, tp: TPGroup = SINGLE):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp=tp)
-        self.act_fn, self.down_proj = SiluAndMul(), RowParallelLinear(intermediate_size, hidden_size, tp=tp)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, tp=tp)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 # %% ../../notebooks/08_qwen3.ipynb #44c5901a
+@dataclass(frozen=True)
+class DecoderTraits:
+    "Where the families that share this decoder differ (section 5); Qwen3's are `qwen3_traits(config)`."
+    qk_norm: bool = True     # an RMSNorm on every query and key head, before the rotation
+    qkv_bias: bool = False   # biases on the q, k and v projections
+    o_bias: bool = False     # a bias on o_proj
+    mlp: Callable[[PretrainedConfig, int, TPGroup], nn.Module] | None = None   # layer i's MLP; None: `dense_mlp`
+
+
+def qwen3_traits(config: Qwen3Config) -> DecoderTraits:
+    bias = getattr(config, "attention_bias", False)   # (on q, k, v and o alike; False in every released Qwen3)
+    return DecoderTraits(qk_norm=True, qkv_bias=bias, o_bias=bias)
+
+
+def dense_mlp(config: PretrainedConfig, layer_idx: int, tp: TPGroup) -> Qwen3MLP:
+    return Qwen3MLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False), tp=tp)
+
+
 class Qwen3DecoderLayer(nn.Module):
     "One Qwen3 block: attention and MLP, each behind an RMSNorm that also performs the pending residual add."
 
-    def __init__(self, config: Qwen3Config, rotary_emb: RotaryEmbedding, tp: TPGroup = SINGLE):
+    def __init__(self, config: Qwen3Config, rotary_emb: RotaryEmbedding, tp: TPGroup = SINGLE,
+                 traits: DecoderTraits | None = None, layer_idx: int = 0):
         super().__init__()
+        traits = traits or qwen3_traits(config)
         self.self_attn = Qwen3Attention(
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim(config), rotary_emb,
-            config.rms_norm_eps, getattr(config, "attention_bias", False), tp=tp)
-        self.mlp = Qwen3MLP(config.hidden_size, config.intermediate_size, tp=tp)
+            config.rms_norm_eps, traits.qkv_bias, o_bias=traits.o_bias, qk_norm=traits.qk_norm, tp=tp)
+        self.mlp = (traits.mlp or dense_mlp)(config, layer_idx, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -93,7 +121,7 @@ def check_config(config: Qwen3Config) -> None:
             not layer_types and getattr(config, "use_sliding_window", False)):
         raise ValueError("sliding-window attention (use_sliding_window / layer_types) is not supported by minivllm")
     if config.hidden_act != "silu":
-        raise ValueError(f"Qwen3 with hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+        raise ValueError(f"{config.model_type} with hidden_act {config.hidden_act!r} is not supported (only 'silu')")
     if config.num_attention_heads % config.num_key_value_heads:
         raise ValueError(f"num_attention_heads ({config.num_attention_heads}) must be a multiple of "
                          f"num_key_value_heads ({config.num_key_value_heads})")
@@ -102,12 +130,13 @@ def check_config(config: Qwen3Config) -> None:
 class Qwen3Model(nn.Module):
     "Embedding, decoder layers, final norm: `[num_tokens]` ids and positions -> `[num_tokens, hidden]`."
 
-    def __init__(self, config: Qwen3Config, tp: TPGroup = SINGLE):
+    def __init__(self, config: Qwen3Config, tp: TPGroup = SINGLE, traits: DecoderTraits | None = None):
         super().__init__()
         theta, scaling = rope_parameters(config)
         rotary_emb = get_rope(head_dim(config), head_dim(config), config.max_position_embeddings, theta, scaling)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary_emb, tp) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary_emb, tp, traits, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -118,7 +147,7 @@ class Qwen3Model(nn.Module):
         return self.norm(hidden_states, residual)[0]   # (the norm's second output: the sum before it)
 
 # %% ../../notebooks/08_qwen3.ipynb #39f46b8e
-QWEN3_PACKED_WEIGHTS = {   # checkpoint name part -> (our packed parameter, its shard)
+QWEN3_PACKED_WEIGHTS = {   # checkpoint name part -> (our packed parameter, its shard); Qwen2 and Llama's names too
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
@@ -126,10 +155,12 @@ QWEN3_PACKED_WEIGHTS = {   # checkpoint name part -> (our packed parameter, its 
 class Qwen3ForCausalLM(nn.Module):
     "Qwen3 for the engine: flat `[num_tokens]` inputs, logits only for the rows asked for, packed and sharded weights."
 
+    traits = staticmethod(qwen3_traits)   # a family that shares this decoder gives its own (section 5)
+
     def __init__(self, config: Qwen3Config, tp: TPGroup = SINGLE):
         super().__init__()
         check_config(config)
-        self.config, self.model = config, Qwen3Model(config, tp)
+        self.config, self.model = config, Qwen3Model(config, tp, self.traits(config))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
         if config.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,8 +13,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..distributed.parallel_state import SINGLE, TPGroup
-from .loader import load_model
+from .llama import LlamaForCausalLM
+from .loader import dummy_weights_, load_model
+from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import QWEN3_PACKED_WEIGHTS, Qwen3ForCausalLM
+from .qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_weights
 
 
 @dataclass(frozen=True)
@@ -21,10 +25,18 @@ class ModelSpec:
     "How to run one model family: its module, and which checkpoint tensors it packs into one parameter."
     model_class: type[nn.Module]                       # built as model_class(hf_config, tp)
     packed_weights: dict[str, tuple[str, str | int]]   # checkpoint name part -> (our parameter, shard id)
+    config_weights: Callable[[PretrainedConfig], dict] | None = None   # names that depend on the config (experts)
+
+    def weight_mapping(self, hf_config: PretrainedConfig) -> dict:
+        "The loader's mapping for `hf_config`: the config's own names first (they are the more specific)."
+        return {**(self.config_weights(hf_config) if self.config_weights else {}), **self.packed_weights}
 
 
 MODEL_REGISTRY: dict[str, ModelSpec] = {   # Hugging Face `model_type` -> its spec: a new family is one more line
     "qwen3": ModelSpec(Qwen3ForCausalLM, QWEN3_PACKED_WEIGHTS),
+    "qwen2": ModelSpec(Qwen2ForCausalLM, QWEN3_PACKED_WEIGHTS),   # Qwen2 and Qwen2.5
+    "llama": ModelSpec(LlamaForCausalLM, QWEN3_PACKED_WEIGHTS),   # Llama 3.x (and Llama 2)
+    "qwen3_moe": ModelSpec(Qwen3MoeForCausalLM, QWEN3_PACKED_WEIGHTS, qwen3_moe_weights),
 }
 
 
@@ -55,8 +67,9 @@ def load_config(path: str | Path) -> PretrainedConfig:
 
 # %% ../../notebooks/08_qwen3.ipynb #660f3079
 def build_model(hf_config: PretrainedConfig, path: str | Path, dtype: torch.dtype, device: torch.device,
-                tp: TPGroup = SINGLE) -> nn.Module:
-    "The model of `hf_config`'s family, this rank's shard, made in `dtype` on `device` and filled from `path`."
+                tp: TPGroup = SINGLE, load_format: str = "auto", seed: int = 0) -> nn.Module:
+    """The model of `hf_config`'s family, this rank's shard, made in `dtype` on `device` and filled from `path`
+    (`load_format="dummy"`: seeded random weights made in place, nothing read)."""
     spec, default_dtype = model_spec(hf_config), torch.get_default_dtype()
     torch.set_default_dtype(dtype)   # the parameters are made in `dtype` (restored at once)
     try:
@@ -64,4 +77,6 @@ def build_model(hf_config: PretrainedConfig, path: str | Path, dtype: torch.dtyp
             model = spec.model_class(hf_config, tp)
     finally:
         torch.set_default_dtype(default_dtype)
-    return load_model(model, path, spec.packed_weights).eval()
+    if load_format == "dummy":
+        return dummy_weights_(model, seed).eval()
+    return load_model(model, path, spec.weight_mapping(hf_config)).eval()
