@@ -6,6 +6,7 @@
     python -m minivllm.bench                                  # 256 requests, prompts 100-1024, outputs 100-1024 tokens
     python -m minivllm.bench --compare transformers --compare-num-seqs 64 --compare-max-output 256
     python -m minivllm.bench --prefix --out results.json      # + 256 requests sharing a 1,024-token prefix, cache on/off
+    python -m minivllm.bench --arch qwen3-30b-a3b             # another architecture, dummy weights made in place
     python -m minivllm.bench serve --help                     # the serving benchmark (bench_serve.py)
 """
 from __future__ import annotations
@@ -24,11 +25,22 @@ import torch
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, head_dim=128,
                   num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True, rms_norm_eps=1e-6,
                   max_position_embeddings=40960, rope_theta=1_000_000.0, bos_token_id=151643, eos_token_id=151645)
+ARCHS = {   # --arch: released architectures, run with seeded random weights (load_format="dummy" beyond the default)
+    "qwen3-0.6b": dict(model_type="qwen3", **QWEN3_0_6B),
+    "qwen3-8b": dict(model_type="qwen3", **{**QWEN3_0_6B, "hidden_size": 4096, "intermediate_size": 12288,
+                                            "num_hidden_layers": 36, "num_attention_heads": 32,
+                                            "tie_word_embeddings": False}),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", **{**QWEN3_0_6B, "hidden_size": 2048, "intermediate_size": 6144,
+                                                     "num_hidden_layers": 48, "num_attention_heads": 32,
+                                                     "num_key_value_heads": 4, "tie_word_embeddings": False},
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[]),
+}
 
 # %% auto #0
-__all__ = ['QWEN3_0_6B', 'standard_workload', 'shared_prefix_workload', 'roofline', 'random_qwen3_folder', 'BenchResult',
-           'run_minivllm', 'run_transformers', 'environment', 'host_time_per_decode_step', 'parse_args', 'Report',
-           'run_workloads', 'main']
+__all__ = ['QWEN3_0_6B', 'ARCHS', 'standard_workload', 'shared_prefix_workload', 'moe_terms', 'roofline', 'random_qwen3_folder',
+           'config_folder', 'BenchResult', 'run_minivllm', 'run_transformers', 'environment',
+           'host_time_per_decode_step', 'parse_args', 'Report', 'run_workloads', 'main']
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #69f93507
 def standard_workload(num_seqs: int = 256, max_input: int = 1024, max_output: int = 1024, seed: int = 0,
@@ -50,21 +62,39 @@ def shared_prefix_workload(num_seqs: int = 256, prefix_len: int = 1024, own: tup
     return prompts, [max_output] * num_seqs
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #04c126d8
+def moe_terms(config: dict) -> tuple[int, int, int]:
+    "(MoE layers, experts, experts per token) of a config; (0, 0, 0) for a dense model."
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0   # (transformers 5 saves the latter)
+    k = config.get("num_experts_per_tok") or 0
+    if not experts:
+        return 0, 0, 0
+    step, dense = config.get("decoder_sparse_step") or 1, set(config.get("mlp_only_layers") or [])
+    layers = sum(1 for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return layers, experts, k
+
+
 def roofline(config: dict, prompt_lens: list[int], output_lens: list[int], bandwidth: float = 4.3e12,
              flops: float = 790e12, bytes_per_param: int = 2) -> dict:
-    "Lower bound on the time: prefill at the matrix rate; each decode step moves the weights and every KV cache read."
+    """Lower bound on the time: prefill at the matrix rate; each decode step moves the weights it uses and every KV
+    cache read. A mixture of experts counts only the experts a step's tokens use (`num_experts_per_tok` per token,
+    the expected distinct experts of a batch under uniform routing)."""
     h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     hd = config.get("head_dim") or h // config["num_attention_heads"]
     qd, kvd = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-    per_layer = h * (qd + 2 * kvd) + qd * h + 3 * h * config["intermediate_size"]
-    matmul_params = layers * per_layer + vocab * h
-    weight_bytes = (matmul_params + (0 if config.get("tie_word_embeddings") else vocab * h)) * bytes_per_param
+    moe_layers, experts, k = moe_terms(config)
+    expert = 3 * h * (config.get("moe_intermediate_size") or 0)
+    attn = h * (qd + 2 * kvd) + qd * h
+    fixed = layers * attn + (layers - moe_layers) * 3 * h * config["intermediate_size"] + moe_layers * h * experts
+    matmul_params = fixed + moe_layers * k * expert + vocab * h        # used by one token
+    head_bytes = 0 if config.get("tie_word_embeddings") else vocab * h
     kv_per_token = layers * 2 * kvd * bytes_per_param
     attn_flops = 4 * layers * qd
     prefill = (sum(prompt_lens) * 2 * matmul_params + sum(attn_flops * n * n / 2 for n in prompt_lens)) / flops
     decode = 0.0
     for step in range(max(output_lens)):
         ctx = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
+        touched = experts * (1 - (1 - k / experts) ** len(ctx)) if experts else 0.0
+        weight_bytes = (fixed + vocab * h + head_bytes + moe_layers * touched * expert) * bytes_per_param
         decode += max((weight_bytes + sum(ctx) * kv_per_token) / bandwidth,
                       (len(ctx) * 2 * matmul_params + sum(ctx) * attn_flops) / flops)
     total = prefill + decode
@@ -91,6 +121,15 @@ def random_qwen3_folder(path: str, seed: int = 0, dtype: torch.dtype = torch.bfl
     json.dump(wanted, open(marker, "w"))
     del model
     gc.collect()
+    return path
+
+
+def config_folder(path: str, arch: str) -> str:
+    "A folder holding only the config.json of `arch` (one of ARCHS): for load_format='dummy'."
+    from transformers import AutoConfig
+    spec = dict(ARCHS[arch])
+    os.makedirs(path, exist_ok=True)
+    AutoConfig.for_model(spec.pop("model_type"), **spec).save_pretrained(path)
     return path
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #e7c374d2
@@ -199,7 +238,11 @@ def host_time_per_decode_step(records: list, min_running: int) -> float | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="a Qwen3 checkpoint folder (default: Qwen3-0.6B, random weights)")
+    ap.add_argument("--model", default=None, help="a checkpoint folder (default: --arch, random weights)")
+    ap.add_argument("--arch", choices=list(ARCHS), default="qwen3-0.6b",
+                    help="without --model: this architecture with random weights (beyond qwen3-0.6b: made in place)")
+    ap.add_argument("--load-format", choices=["auto", "dummy"], default=None,
+                    help="dummy: seeded random weights made in place (default for --arch other than qwen3-0.6b)")
     ap.add_argument("--random-model-dir", default=os.path.expanduser("~/.cache/minivllm/qwen3-0.6b-random"))
     for flag, default in (("--num-seqs", 256), ("--max-input", 1024), ("--max-output", 1024), ("--seed", 0)):
         ap.add_argument(flag, type=int, default=default)
@@ -280,14 +323,22 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("the GPU benchmark needs a CUDA device; on a CPU, see tools/cpu_bench.py", file=sys.stderr)
         return 2
-    model = args.model or random_qwen3_folder(args.random_model_dir)
+    load_format = args.load_format or ("auto" if args.model or args.arch == "qwen3-0.6b" else "dummy")
+    if args.model:
+        model = args.model
+    elif load_format == "dummy":
+        model = config_folder(os.path.join(os.path.dirname(args.random_model_dir), args.arch + "-config"), args.arch)
+    else:
+        model = random_qwen3_folder(args.random_model_dir)
     from transformers import AutoConfig
-    print(f"model: {model}{'' if args.model else ' (RANDOM WEIGHTS)'}\nenvironment: {environment()}")
-    engine_kwargs = dict(tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+    print(f"model: {model}{'' if args.model and load_format == 'auto' else ' (RANDOM WEIGHTS)'}\n"
+          f"environment: {environment()}")
+    engine_kwargs = dict(load_format=load_format, tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
                          block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                          gpu_memory_utilization=args.gpu_memory_utilization)
-    report = Report(model=model, random_weights=not args.model, environment=environment(), args=vars(args))
+    report = Report(model=model, random_weights=not args.model or load_format == "dummy", environment=environment(),
+                    args=vars(args))
     run_workloads(args, model, AutoConfig.from_pretrained(model).to_dict(), engine_kwargs, report)
     if args.out:
         with open(args.out, "w") as f:

@@ -168,6 +168,6 @@ def test_gpu_greedy_parity_under_cuda_graphs(family):
     hf.cpu()
     with LLM(str(folder), device="cuda", dtype="float32", skip_tokenizer_init=True, max_model_len=256,
              gpu_memory_utilization=0.3) as llm:
-        assert llm.llm_engine.model_runner.graphs is not None   # CUDA graphs were captured
+        assert llm.llm_engine.executor.runner.graphs is not None   # CUDA graphs were captured
         outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference, name

@@ -342,13 +342,13 @@ def test_folder_without_safetensors(tmp_path, checkpoint):
     expect_load_error(folder, r"no \*\.safetensors files")
 
 
-def test_load_config_accepts_only_qwen3_folders(tmp_path, checkpoint):
+def test_load_config_accepts_only_registered_families(tmp_path, checkpoint):
     assert load_config(checkpoint[0]).model_type == "qwen3"
     with pytest.raises(ValueError, match="is not a folder"):
         load_config(tmp_path / "nope")
     with pytest.raises(ValueError, match="has no config.json"):
         load_config(tmp_path)
-    for i, (text, match) in enumerate([('{"model_type": "llama"}', "type 'llama'; minivllm runs qwen3"),
+    for i, (text, match) in enumerate([('{"model_type": "mamba"}', "type 'mamba'; minivllm runs qwen3, qwen2"),
                                        ('{"hidden_size": 4}', "type None"),
                                        ("{not json", "not a JSON object"),
                                        ("[1, 2]", "not a JSON object")]):
@@ -373,6 +373,7 @@ def test_registry_spec_of_a_qwen3_config():
     spec = model_spec(cfg)
     assert isinstance(spec, ModelSpec) and spec is MODEL_REGISTRY["qwen3"]
     assert spec.model_class is Qwen3ForCausalLM and spec.packed_weights is QWEN3_PACKED_WEIGHTS
+    assert spec.weight_mapping(cfg) == QWEN3_PACKED_WEIGHTS   # nothing that depends on the config (no experts)
 
 
 def test_load_config_refuses_a_type_the_registry_does_not_know(tmp_path):

@@ -267,9 +267,9 @@ def test_folder_of_another_architecture(tmp_path):
     folder = model_copy(tmp_path)
     path = os.path.join(folder, "config.json")
     config = json.load(open(path))
-    config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     json.dump(config, open(path, "w"))
-    with pytest.raises(ValueError, match="holds a model of type 'llama'; minivllm runs qwen3 models"):
+    with pytest.raises(ValueError, match="holds a model of type 'gpt2'; minivllm runs qwen3, qwen2, llama, qwen3_moe"):
         cpu_llm(folder)
 
 

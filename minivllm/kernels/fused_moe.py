@@ -139,7 +139,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 # %% ../../notebooks/06_attention_kernels.ipynb #0f02bfc4
 def bench_fused_moe(num_tokens: int, hidden: int, intermediate: int, num_experts: int, top_k: int,
                     dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> dict:
-    "`fused_moe` against the loop on a GPU (median times), and the bound for the work of the experts hit."
+    "`fused_moe` (eager, and replayed from a CUDA graph) against the loop on a GPU, and the bound for the experts hit."
     from minivllm.kernels.bench import _check_cuda
     _check_cuda(device)
     T, H, I, E, k = num_tokens, hidden, intermediate, num_experts, top_k
@@ -152,8 +152,12 @@ def bench_fused_moe(num_tokens: int, hidden: int, intermediate: int, num_experts
     time_us = lambda fn: 1e3 * triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")  # noqa: E731
     fused_us = time_us(lambda: fused_moe(x, w13, w2, weights, ids))
     loop_us = time_us(lambda: moe_experts_reference(x, w13, w2, weights, ids))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):                     # as the engine's decode steps run it: no host work
+        fused_moe(x, w13, w2, weights, ids)
+    graph_us = time_us(graph.replay)
     hit = torch.unique(ids).numel()                   # only the experts some token chose are read
     flops = 2 * T * k * 3 * H * I
     nbytes = (hit * 3 * H * I + 2 * T * H + 2 * T * k * (3 * I + H)) * x.element_size()
     bound_us = max(flops / 790e12, nbytes / 4.8e12) * 1e6
-    return dict(fused_us=fused_us, loop_us=loop_us, bound_us=bound_us, experts_hit=hit)
+    return dict(fused_us=fused_us, graph_us=graph_us, loop_us=loop_us, bound_us=bound_us, experts_hit=hit)
