@@ -22,24 +22,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, head_dim=128,
-                  num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True, rms_norm_eps=1e-6,
-                  max_position_embeddings=40960, rope_theta=1_000_000.0, bos_token_id=151643, eos_token_id=151645)
-ARCHS = {   # --arch: released architectures, run with seeded random weights (load_format="dummy" beyond the default)
-    "qwen3-0.6b": dict(model_type="qwen3", **QWEN3_0_6B),
-    "qwen3-8b": dict(model_type="qwen3", **{**QWEN3_0_6B, "hidden_size": 4096, "intermediate_size": 12288,
-                                            "num_hidden_layers": 36, "num_attention_heads": 32,
-                                            "tie_word_embeddings": False}),
-    "qwen3-30b-a3b": dict(model_type="qwen3_moe", **{**QWEN3_0_6B, "hidden_size": 2048, "intermediate_size": 6144,
-                                                     "num_hidden_layers": 48, "num_attention_heads": 32,
-                                                     "num_key_value_heads": 4, "tie_word_embeddings": False},
-                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-                          decoder_sparse_step=1, mlp_only_layers=[]),
-}
+from .bench_models import ARCHS, QWEN3_0_6B, config_folder, random_qwen3_folder, roofline  # noqa: F401
+
 
 # %% auto #0
-__all__ = ['QWEN3_0_6B', 'ARCHS', 'standard_workload', 'shared_prefix_workload', 'moe_terms', 'roofline', 'random_qwen3_folder',
-           'config_folder', 'BenchResult', 'run_minivllm', 'run_transformers', 'environment',
+__all__ = ['standard_workload', 'shared_prefix_workload', 'BenchResult', 'run_minivllm', 'run_transformers', 'environment',
            'host_time_per_decode_step', 'parse_args', 'Report', 'run_workloads', 'main']
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #69f93507
@@ -60,77 +47,6 @@ def shared_prefix_workload(num_seqs: int = 256, prefix_len: int = 1024, own: tup
     prefix = [random.randint(0, 10000) for _ in range(prefix_len)]
     prompts = [prefix + [random.randint(0, 10000) for _ in range(random.randint(*own))] for _ in range(num_seqs)]
     return prompts, [max_output] * num_seqs
-
-# %% ../notebooks/13_qwen3_on_gpu.ipynb #04c126d8
-def moe_terms(config: dict) -> tuple[int, int, int]:
-    "(MoE layers, experts, experts per token) of a config; (0, 0, 0) for a dense model."
-    experts = config.get("num_experts") or config.get("num_local_experts") or 0   # (transformers 5 saves the latter)
-    k = config.get("num_experts_per_tok") or 0
-    if not experts:
-        return 0, 0, 0
-    step, dense = config.get("decoder_sparse_step") or 1, set(config.get("mlp_only_layers") or [])
-    layers = sum(1 for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
-    return layers, experts, k
-
-
-def roofline(config: dict, prompt_lens: list[int], output_lens: list[int], bandwidth: float = 4.3e12,
-             flops: float = 790e12, bytes_per_param: int = 2) -> dict:
-    """Lower bound on the time: prefill at the matrix rate; each decode step moves the weights it uses and every KV
-    cache read. A mixture of experts counts only the experts a step's tokens use (`num_experts_per_tok` per token,
-    the expected distinct experts of a batch under uniform routing)."""
-    h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
-    hd = config.get("head_dim") or h // config["num_attention_heads"]
-    qd, kvd = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-    moe_layers, experts, k = moe_terms(config)
-    expert = 3 * h * (config.get("moe_intermediate_size") or 0)
-    attn = h * (qd + 2 * kvd) + qd * h
-    fixed = layers * attn + (layers - moe_layers) * 3 * h * config["intermediate_size"] + moe_layers * h * experts
-    matmul_params = fixed + moe_layers * k * expert + vocab * h        # used by one token
-    head_bytes = 0 if config.get("tie_word_embeddings") else vocab * h
-    kv_per_token = layers * 2 * kvd * bytes_per_param
-    attn_flops = 4 * layers * qd
-    prefill = (sum(prompt_lens) * 2 * matmul_params + sum(attn_flops * n * n / 2 for n in prompt_lens)) / flops
-    decode = 0.0
-    for step in range(max(output_lens)):
-        ctx = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
-        touched = experts * (1 - (1 - k / experts) ** len(ctx)) if experts else 0.0
-        weight_bytes = (fixed + vocab * h + head_bytes + moe_layers * touched * expert) * bytes_per_param
-        decode += max((weight_bytes + sum(ctx) * kv_per_token) / bandwidth,
-                      (len(ctx) * 2 * matmul_params + sum(ctx) * attn_flops) / flops)
-    total = prefill + decode
-    return dict(prefill_s=prefill, decode_s=decode, total_s=total, max_output_tok_s=sum(output_lens) / total)
-
-# %% ../notebooks/13_qwen3_on_gpu.ipynb #b177bac1
-def random_qwen3_folder(path: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, **overrides) -> str:
-    "Qwen3-0.6B's architecture with seeded RANDOM weights, as a Hugging Face folder (made once); returns its path."
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    spec = {**QWEN3_0_6B, **overrides}
-    marker = os.path.join(path, "minivllm_random_weights.json")
-    wanted = dict(spec=spec, seed=seed, dtype=str(dtype))
-    if os.path.isfile(marker) and json.load(open(marker)) == wanted:
-        return path
-    os.makedirs(path, exist_ok=True)
-    torch.manual_seed(seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = Qwen3ForCausalLM(Qwen3Config(**spec)).to(dtype)
-    model.save_pretrained(path)
-    with open(os.path.join(path, "README.md"), "w") as f:
-        f.write("# RANDOM WEIGHTS\n\nThe Qwen3-0.6B architecture with seeded random weights, written by "
-                "`minivllm.bench.random_qwen3_folder` for speed measurements. It generates noise.\n")
-    json.dump(wanted, open(marker, "w"))
-    del model
-    gc.collect()
-    return path
-
-
-def config_folder(path: str, arch: str) -> str:
-    "A folder holding only the config.json of `arch` (one of ARCHS): for load_format='dummy'."
-    from transformers import AutoConfig
-    spec = dict(ARCHS[arch])
-    os.makedirs(path, exist_ok=True)
-    AutoConfig.for_model(spec.pop("model_type"), **spec).save_pretrained(path)
-    return path
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #e7c374d2
 @dataclass

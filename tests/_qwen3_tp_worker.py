@@ -1,6 +1,6 @@
 """Worker for tests/test_qwen3.py::test_tensor_parallel_model_matches_hf (not collected by pytest: leading underscore).
 
-Each rank of a 2-process gloo group builds Qwen3ForCausalLM with `tp=TPGroup(rank, world_size, WORLD, WORLD)`, loads
+Each rank of a 2-process gloo group builds the folder's model (Qwen3, or Qwen3-MoE: experts sharded as an MLP) with `tp=TPGroup(rank, world_size, WORLD, WORLD)`, loads
 the full checkpoint (each weight_loader cuts this rank's shard), runs a packed prefill, and checks the logits, which
 every rank gets whole after the LM head's all-gather, against transformers on the full model.
 """
@@ -29,13 +29,11 @@ def check_folder(folder: str, rank: int, world_size: int) -> None:
 
     from minivllm.distributed.parallel_state import TPGroup
     from minivllm.layers.attention import AttentionMetadata
-    from minivllm.models.loader import load_model
-    from minivllm.models.qwen3 import QWEN3_PACKED_WEIGHTS, Qwen3ForCausalLM
-    from minivllm.models.registry import load_config
+    from minivllm.models.registry import build_model, load_config
 
     config = load_config(folder)
     tp = TPGroup(rank, world_size, dist.group.WORLD, dist.group.WORLD)
-    model = load_model(Qwen3ForCausalLM(config, tp), folder, QWEN3_PACKED_WEIGHTS).eval()
+    model = build_model(config, folder, torch.float32, torch.device("cpu"), tp)   # the family's class and mapping
     attn = model.model.layers[0].self_attn
     assert attn.num_heads == config.num_attention_heads // world_size
     assert attn.num_kv_heads == max(1, config.num_key_value_heads // world_size)

@@ -449,11 +449,17 @@ def test_packed_weights_mapping():
 # ---------------------------------------------------------------- tensor parallel: 2 processes, shards cut at load
 
 def test_tensor_parallel_model_matches_hf(tmp_path):
-    "TP=2 over gloo: each rank loads its shards from the full checkpoint; the gathered logits match transformers."
+    "TP=2 over gloo: each rank loads its shards from the full checkpoint (Qwen3, Qwen3-MoE); the logits match transformers."
     import torch.multiprocessing as mp
 
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=131, hidden_size=32, intermediate_size=48, head_dim=8,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2))
     folders = [str(save_hf(tmp_path, "gqa", make_hf(**CONFIGS["gqa4_three_layers"]))),
-               str(save_hf(tmp_path, "mqa", make_hf(**CONFIGS["mqa_narrow_bias"])))]  # 1 KV head: replicated
+               str(save_hf(tmp_path, "mqa", make_hf(**CONFIGS["mqa_narrow_bias"]))),   # 1 KV head: replicated
+               str(save_hf(tmp_path, "moe", moe.eval()))]                                 # experts cut in two
     sys.path.insert(0, str(Path(__file__).parent))
     try:
         import _qwen3_tp_worker

@@ -23,6 +23,8 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "token history; n samples; prompt_logprobs; Logprob), checkpoint defaults, Hub ids": 583,
     "issue 15, serving: AsyncLLM (engine thread, streams, output kinds), Prometheus metrics, the OpenAI-compatible "
     "server (protocol, errors, middleware, formats, routes), `minivllm serve`; n > 1 streams that end right": 918,
+    "issue 19, more families: Qwen2/2.5, Llama 3 (its rotary scaling), Qwen3-MoE (router, experts, the fused Triton "
+    "kernel with its reference), the decoder's traits, the experts' loader mapping, dummy weights": 397,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code
