@@ -22,13 +22,14 @@ from conftest import is_gpu_cell  # noqa: E402
 
 def run_cells(path: Path, match: str) -> list[dict]:
     "Execute the GPU cells of `path` whose source contains `match`; their sources and printed text (no Jupyter)."
+    import torch
     results = []
     for cell in json.loads(path.read_text())["cells"]:
         source = "".join(cell["source"])
         if cell["cell_type"] == "code" and is_gpu_cell(source) and match in source:
             buffer = io.StringIO()
             with contextlib.redirect_stdout(buffer):
-                exec(compile(source, f"<{path.name} cell {cell.get('id')}>", "exec"), {"__name__": "__main__"})
+                exec(compile(source, f"<{path.name} cell {cell.get('id')}>", "exec"), {"__name__": "__main__", "torch": torch})
             results.append(dict(source=source, text=buffer.getvalue()))
             print(buffer.getvalue(), end="", file=sys.__stdout__)
     return results
