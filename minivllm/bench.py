@@ -157,6 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="a checkpoint folder (default: --arch, random weights)")
     ap.add_argument("--arch", choices=list(ARCHS), default="qwen3-0.6b",
                     help="without --model: this architecture with random weights (beyond qwen3-0.6b: made in place)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: an 8-bit KV cache")
     ap.add_argument("--load-format", choices=["auto", "dummy"], default=None,
                     help="dummy: seeded random weights made in place (default for --arch other than qwen3-0.6b)")
     ap.add_argument("--random-model-dir", default=os.path.expanduser("~/.cache/minivllm/qwen3-0.6b-random"))
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig
     print(f"model: {model}{'' if args.model and load_format == 'auto' else ' (RANDOM WEIGHTS)'}\n"
           f"environment: {environment()}")
-    engine_kwargs = dict(load_format=load_format, tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+    engine_kwargs = dict(load_format=load_format, kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
                          block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                          gpu_memory_utilization=args.gpu_memory_utilization)

@@ -70,7 +70,7 @@ def check_types(cfg) -> None:
     for names, kinds, want in ((("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill",
                                  "skip_tokenizer_init", "async_scheduling"), bool, "True or False"),
                                (("gpu_memory_utilization", "cpu_kvcache_space_gib"), (int, float), "a number"),
-                               (("dtype", "device", "generation_config", "load_format"), str, "a string")):
+                               (("dtype", "device", "generation_config", "load_format", "kv_cache_dtype"), str, "a string")):
         for name in names:
             value = getattr(cfg, name)
             if not isinstance(value, kinds) or isinstance(value, bool) and kinds is not bool:   # a bool is no number
@@ -131,6 +131,7 @@ class Config:
     async_scheduling: bool = True               # launch the next decode step before collecting this one
     generation_config: str = "auto"             # auto: default sampling from generation_config.json; vllm: ignore it
     load_format: str = "auto"                   # dummy: seeded random weights made in place (config.json suffices)
+    kv_cache_dtype: str = "auto"                # fp8: the KV cache in 8 bits (e4m3), half the bytes (notebook 06)
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -147,6 +148,12 @@ class Config:
         _check(self.generation_config in ("auto", "vllm"),
                f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         _check(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        _check(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"),
+               f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
+        self.cache_dtype = self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+        _check(self.kv_cache_dtype == "auto" or self.attention_backend != "flash_attn",
+               "kv_cache_dtype='fp8' runs on minivllm's own kernels, not flash_attn: pick attention_backend "
+               "'triton' or 'torch'")
         self.attention_backend = select_backend(self.device, self.block_size, self.attention_backend)
 
     @classmethod

@@ -25,6 +25,7 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "server (protocol, errors, middleware, formats, routes), `minivllm serve`; n > 1 streams that end right": 918,
     "issue 19, more families: Qwen2/2.5, Llama 3 (its rotary scaling), Qwen3-MoE (router, experts, the fused Triton "
     "kernel with its reference), the decoder's traits, the experts' loader mapping, dummy weights": 397,
+    "issue 17 (part), an 8-bit KV cache: kv_cache_dtype, the rounding store, the kernels' 8-bit reads": 31,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

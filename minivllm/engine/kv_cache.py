@@ -21,7 +21,7 @@ def kv_block_bytes(hf_config, block_size: int, dtype: torch.dtype, tp_size: int 
 
 def num_kv_blocks(config: Config, budget_bytes: int) -> int:
     "How many blocks to allocate: what the budget holds, capped at what max_num_seqs sequences could ever use."
-    block_bytes = kv_block_bytes(config.hf_config, config.block_size, config.torch_dtype, config.tensor_parallel_size)
+    block_bytes = kv_block_bytes(config.hf_config, config.block_size, config.cache_dtype, config.tensor_parallel_size)
     blocks_per_seq = -(-config.max_model_len // config.block_size)
     blocks = config.num_kvcache_blocks or min(budget_bytes // block_bytes, config.max_num_seqs * blocks_per_seq)
     if blocks < blocks_per_seq:

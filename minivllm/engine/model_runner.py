@@ -59,7 +59,7 @@ class ModelRunner:
             self.sampler = Sampler()
             self.sampling = SamplingCache(self.device, config.seed, config.hf_config.vocab_size, config.eos_token_ids)
             self.num_blocks = num_kv_blocks(config, kv_budget(self.model, config, self.device, tp))
-            self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.block_size, config.torch_dtype,
+            self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.block_size, config.cache_dtype,
                                               self.device)
             self.upload = PinnedUploads(self.device) if self.device.type == "cuda" else partial(to_device, device=self.device)
             self.last_sampled: torch.Tensor | None = None   # the token ids of the step before, on the device

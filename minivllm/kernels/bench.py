@@ -27,7 +27,7 @@ def bench_copy(nbytes: int = 4 << 30, device: str = "cuda") -> dict:
 def bench_decode(batch: int = 256, context: int = 1024, num_heads: int = 16, num_kv_heads: int = 8,
                  head_dim: int = 128, block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
                  device: str = "cuda", seed: int = 0, shared_prefix: int = 0, cascade: bool = False,
-                 **kernel_options) -> dict:
+                 cache_dtype: torch.dtype | None = None, **kernel_options) -> dict:
     """Time the paged decode kernel on a cache of random, scattered blocks; its achieved bandwidth in GB/s. With
     `shared_prefix`, every sequence's first `shared_prefix` tokens sit in the same blocks; `cascade` reads them once.
     (The bandwidth always counts every sequence's whole context, as plain decode reads it.)"""
@@ -38,6 +38,8 @@ def bench_decode(batch: int = 256, context: int = 1024, num_heads: int = 16, num
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     v_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    if cache_dtype is not None:   # e.g. torch.float8_e4m3fn: the same values, rounded to 8 bits
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))   # blocks scattered in memory
     block_tables = torch.cat([perm[:shared].expand(batch, shared), perm[shared:].view(batch, -1)], 1)
     block_tables = block_tables.to(device, torch.int32)
@@ -49,8 +51,8 @@ def bench_decode(batch: int = 256, context: int = 1024, num_heads: int = 16, num
                                          out=out, shared_prefix_len=prefix, **kernel_options)
     run()
     ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
-    elem = torch.empty((), dtype=dtype).element_size()
-    nbytes = 2 * batch * context * num_kv_heads * head_dim * elem + 2 * q.numel() * elem + block_tables.numel() * 4
+    elem, cache_elem = q.element_size(), k_cache.element_size()
+    nbytes = 2 * batch * context * num_kv_heads * head_dim * cache_elem + 2 * q.numel() * elem + block_tables.numel() * 4
     return dict(ms=ms, bytes=nbytes, gbps=nbytes / ms / 1e6)
 
 # %% auto #0

@@ -88,6 +88,7 @@ def _shared_prefix_kernel(
                     + dims[:, None], mask=valid[None, :] & dim_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + (block * stride_v_block + row * stride_v_tok + kv_head * stride_v_head)[:, None]
                     + dims[None, :], mask=valid[:, None] & dim_mask[None, :], other=0.0)
+        k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)   # (an 8-bit cache's tiles: to q's dtype)
         if DOT_FP32:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_M, BLOCK_N]: many sequences at once

@@ -59,6 +59,7 @@ def _paged_decode_kernel(
                     + dims[:, None], mask=valid[None, :] & dim_mask[:, None], other=0.0)   # K^T: [DIM_PAD, BLOCK_N]
         v = tl.load(v_cache_ptr + (block * stride_v_block + row * stride_v_tok + kv_head * stride_v_head)[:, None]
                     + dims[None, :], mask=valid[:, None] & dim_mask[None, :], other=0.0)
+        k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)   # (an 8-bit cache's tiles: to q's dtype)
         if DOT_FP32:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale   # [GROUP_PAD, BLOCK_N], log2 units
@@ -199,7 +200,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_out = out if parts is None else torch.empty(*parts, head_dim, dtype=torch.float32, device=q.device)
     part_lse = out if parts is None else torch.empty(parts, dtype=torch.float32, device=q.device)
     common = dict(NUM_Q_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-                  DIM_PAD=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, **dot_options(k_cache.dtype))
+                  DIM_PAD=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, **dot_options(q.dtype))
     log2_scale, sk, sv = scale * math.log2(math.e), k_cache.stride(), v_cache.stride()
     if cascade:
         _shared_prefix_kernel[(num_kv_heads, plan.q_tiles, plan.prefix_parts)](

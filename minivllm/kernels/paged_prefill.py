@@ -67,6 +67,7 @@ def _paged_prefill_kernel(
                     mask=valid[None, :] & dim_mask[:, None], other=0.0)
         v = tl.load(v_ptr + (v_rows + kv_head * stride_v_head)[:, None] + dims[None, :],
                     mask=valid[:, None] & dim_mask[None, :], other=0.0)
+        k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)   # (an 8-bit cache's tiles: to q's dtype)
         if DOT_FP32:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
@@ -113,7 +114,7 @@ def _launch_prefill(q, k, v, cu_seqlens_q, kv_start, context_lens, block_tables,
         GROUP=num_heads // num_kv_heads, GROUP_PAD=next_pow2(num_heads // num_kv_heads), HEAD_DIM=head_dim,
         DIM_PAD=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n or PREFILL_BLOCK_N, PAGED=paged,
-        **dot_options(k.dtype), num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES)
+        **dot_options(q.dtype), num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES)
     return out
 
 

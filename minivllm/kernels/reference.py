@@ -25,7 +25,8 @@ def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
 
 # %% auto #0
-__all__ = ['gather_kv', 'causal_attention_ref', 'paged_attention_ref', 'varlen_attention_ref', 'store_kvcache_ref']
+__all__ = ['FP8', 'FP8_MAX', 'gather_kv', 'causal_attention_ref', 'paged_attention_ref', 'varlen_attention_ref', 'write_slots',
+           'store_kvcache_ref']
 
 # %% ../../notebooks/05_paged_attention.ipynb #e450ef8e
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -47,10 +48,21 @@ def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     return out
 
 # %% ../../notebooks/05_paged_attention.ipynb #3670ec8b
+FP8, FP8_MAX = torch.float8_e4m3fn, 448.0   # an 8-bit KV cache (kv_cache_dtype="fp8", notebook 06): e4m3's largest
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    "`cache` viewed as `[slots, heads, dim]`: rows `slots` = `x`, in the cache's dtype (8-bit: clamped to its range)."
+    flat = cache.view(-1, *cache.shape[2:])
+    if cache.dtype == FP8:   # (index_copy_ has no float8 kernel on a CPU: the rounded values are copied as bytes)
+        flat, x = flat.view(torch.uint8), x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+    flat.index_copy_(0, slots, x.to(flat.dtype))
+
+
 def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
     "Write k, v [N, kv_heads, dim] into the caches at `slot_mapping` (negative slots are skipped)."
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+    write_slots(k_cache, slots, k[keep])
+    write_slots(v_cache, slots, v[keep])

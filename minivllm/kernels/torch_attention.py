@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .reference import gather_kv, store_kvcache_ref
+from .reference import gather_kv, store_kvcache_ref, write_slots
 
 GROUP_KV_BYTES = 4 << 20   # float32 keys of one group of decode sequences: small enough to stay in a CPU's cache
 
@@ -102,8 +102,8 @@ def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     "`store_kvcache_ref` without its boolean masks when no slot is negative (always, on a CPU: no padded batches)."
     if slot_mapping.numel() == 0 or int(slot_mapping.min()) < 0:
         return store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping.long(), k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping.long(), v.to(v_cache.dtype))
+    write_slots(k_cache, slot_mapping.long(), k)
+    write_slots(v_cache, slot_mapping.long(), v)
 
 
 def varlen_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
