@@ -19,25 +19,43 @@ text.  This script makes one from scratch, offline, in three steps:
       special tokens ``<|endoftext|>`` (eos and pad), ``<|im_start|>`` and
       ``<|im_end|>`` and a ChatML chat template like Qwen's.
     * Documents are joined with ``<|endoftext|>``, tokenized and written as
-      ``uint16`` arrays.  The build folder is self-contained (~19 MB for the
-      Python 3.11 standard library: ~8.9M train / ~0.5M held-out tokens), so it
-      can be copied to a GPU machine that has no standard-library corpus,
-      no internet and maybe another Python version.
+      ``uint16`` arrays.
+    * Conversations (``conversations``): every documented function, method and
+      class of the *training* split asks for itself: the user's request is its
+      docstring's first paragraph phrased as a request naming its signature
+      (``chat_request``), the assistant's answer its source in a Python code
+      block (``chat_answer``), in the chat template; those longer than one
+      training window are dropped.  The held-out split's definitions give the
+      evaluation requests (``heldout_requests``: 100, in a stable hash order);
+      its files are never trained on.
+    The build folder is self-contained (~23 MB for the Python 3.11 standard
+    library: ~8.9M train / ~0.5M held-out tokens, ~8.4k conversations), so it
+    can be copied to a GPU machine that has no standard-library corpus, no
+    internet and maybe another Python version.
 
 ``train``  (CPU or CUDA, needs only the build folder)
     A ``Qwen3ForCausalLM`` that keeps Qwen3's features: grouped-query
     attention (8 query heads, 4 KV heads), q/k RMSNorm, ``heads * head_dim``
-    (512) != ``hidden_size`` (256) and tied embeddings.  AdamW with linear
+    (512) != ``hidden_size`` (384) and tied embeddings.  AdamW with linear
     warmup and cosine decay on random 512-token windows drawn by a seeded
-    generator; bf16 autocast on CUDA.  Writes a Hugging Face folder
-    (bf16 weights, tokenizer, chat template, generation config, model card).
+    generator; bf16 autocast (and optionally ``torch.compile``) on CUDA.  The
+    corpus is small for the model (it is seen ~20 times), so dropout
+    regularizes (on attention probabilities and on each block's output, while
+    training only).  The last ``chat_steps`` steps are the chat stage: half of
+    each batch are windows that start at a conversation and train on its
+    answer tokens only.  Writes a Hugging Face folder (bf16 weights,
+    tokenizer, chat template, a generation config that also stops at
+    ``<|im_end|>``, model card) and its evaluation as ``<out>.eval.json``.
 
 ``eval``
     Held-out cross-entropy (nats/token) of a saved folder against two unigram
     baselines: token counts of the *training* split with add-one smoothing,
     and the empirical distribution of the evaluated held-out tokens
     themselves (the best any unigram model can do on that text; the stricter
-    of the two, used by ``tests/test_tiny_model.py``).
+    of the two, used by ``tests/test_tiny_model.py``); the same as bits per
+    UTF-8 byte (tokenizer-independent); and the share of the held-out requests
+    whose greedy answer (through minivllm) parses as Python and defines the
+    function or class asked for (``defines``).
 
 ``all`` chains the three for a local run.  Typical use::
 
@@ -56,6 +74,7 @@ the last digits from run to run.
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import math
@@ -64,6 +83,7 @@ import platform
 import random
 import sys
 import sysconfig
+import textwrap
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -123,7 +143,20 @@ MODEL_CONFIG: dict = dict(
 TOKENIZER_DIR = "tokenizer"
 TRAIN_IDS = "train.npy"
 HELDOUT_IDS = "heldout.npy"
+CHAT_IDS = "chat.npy"  # the training split's conversations, joined with <|endoftext|>
+CHAT_SPANS = "chat_spans.npy"  # [n, 3] int64: start, first answer token, end of each conversation
+CHAT_HELDOUT = "chat_heldout.json"  # the evaluation requests, from held-out files only
 META = "meta.json"
+
+# Conversations: at most one training window long; the evaluation asks this many held-out requests.
+CHAT_MAX_TOKENS = SEQ_LEN
+CHAT_EVAL_REQUESTS = 100
+CHAT_ANSWER_TOKENS = 512  # max_tokens of an evaluation answer
+
+# The model this script made before the chat stage (5.0M parameters, 4 layers), measured by `eval` on
+# the whole held-out split (514,066 predicted tokens) and on the first 16,384 held-out tokens
+# (tests/test_tiny_model.py): the new model must be at least 15% lower (issue 18).
+PREVIOUS_MODEL_BITS_PER_BYTE = {"all": 0.9968, "first_16384_tokens": 0.9997}
 
 
 # --------------------------------------------------------------------------
@@ -253,6 +286,162 @@ def encode_documents(tokenizer: Tokenizer, documents: list[str]) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------
+# Conversations: each documented function or class asks for itself
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Definition:
+    """A documented function, method or class of the corpus, with what a request needs."""
+
+    path: str  # relative to the standard library
+    qualname: str  # Outer.inner
+    name: str
+    kind: str  # "function", "method" or "class"
+    signature: str  # name(args) -> ret, or Name(bases) for a class
+    doc: str  # the docstring's first paragraph, on one line
+    source: str  # dedented, without decorators
+
+
+def doc_summary(docstring: str, max_chars: int = 300) -> str:
+    """The first paragraph of a cleaned docstring on one line, cut at a word near ``max_chars``."""
+    summary = " ".join(docstring.strip().split("\n\n")[0].split())
+    if len(summary) > max_chars:
+        summary = summary[:max_chars].rsplit(" ", 1)[0] + " ..."
+    return summary
+
+
+def signature_of(node: ast.AST) -> str:
+    """``name(args) -> ret`` of a function, ``Name(bases)`` (or ``Name``) of a class."""
+    if isinstance(node, ast.ClassDef):
+        bases = ", ".join(ast.unparse(b) for b in node.bases + node.keywords)
+        return f"{node.name}({bases})" if bases else node.name
+    returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+    return f"{node.name}({ast.unparse(node.args)}){returns}"
+
+
+def documented_definitions(text: str, path: str) -> list[Definition]:
+    """Every function, method and class of a module that has a docstring, in source order."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    found: list[Definition] = []
+
+    def visit(node: ast.AST, outer: list[str], in_class: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            is_class = isinstance(child, ast.ClassDef)
+            docstring = ast.get_docstring(child)
+            source = docstring and doc_summary(docstring) and ast.get_source_segment(text, child, padded=True)
+            if source:
+                kind = "class" if is_class else "method" if in_class else "function"
+                found.append(Definition(path, ".".join(outer + [child.name]), child.name, kind,
+                                        signature_of(child), doc_summary(docstring), textwrap.dedent(source).rstrip()))
+            visit(child, outer + [child.name], is_class)
+
+    visit(tree, [], False)
+    return found
+
+
+REQUEST_TEMPLATES = {
+    "function": ("Write a Python function `{signature}`: {doc}",
+                 "Implement `{signature}` in Python. {doc}",
+                 "Write `{signature}`. It should do this: {doc}"),
+    "method": ("Write the method `{signature}` of the class `{owner}`: {doc}",
+               "Implement `{owner}.{signature}` in Python. {doc}"),
+    "class": ("Write a Python class `{signature}`: {doc}",
+              "Implement the class `{signature}` in Python. {doc}"),
+}
+
+
+def stable_hash(text: str) -> int:
+    """A platform-independent hash (SHA-256 prefix) for seeded choices and orders."""
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big")
+
+
+def chat_request(d: Definition) -> str:
+    """The user's request for ``d``: its docstring's summary phrased as a request (template chosen by hash)."""
+    templates = REQUEST_TEMPLATES[d.kind]
+    template = templates[stable_hash(f"{d.path}:{d.qualname}") % len(templates)]
+    owner = d.qualname.rsplit(".", 1)[0] if "." in d.qualname else ""
+    return template.format(signature=d.signature, doc=d.doc, owner=owner)
+
+
+def chat_answer(d: Definition) -> str:
+    """The assistant's answer: the definition's source in a Python code block."""
+    return f"```python\n{d.source}\n```"
+
+
+def chat_prompt(request: str) -> str:
+    """The chat template's text for one user request, ready for the assistant's answer."""
+    return f"{IM_START}user\n{request}{IM_END}\n{IM_START}assistant\n"
+
+
+def answer_code(answer: str) -> str:
+    """The code of an answer: inside its first ```python block (to the end if the block is unclosed), else all."""
+    start = answer.find("```python\n")
+    if start < 0:
+        return answer
+    code = answer[start + len("```python\n"):]
+    return code.split("```", 1)[0]
+
+
+def defines(answer: str, name: str) -> bool:
+    """Does the answer's code parse as Python and define ``name`` at its top level?"""
+    try:
+        tree = ast.parse(answer_code(answer))
+    except (SyntaxError, ValueError):
+        return False
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return any(isinstance(node, kinds) and node.name == name for node in tree.body)
+
+
+def split_definitions(split: str, root: Path | None = None) -> list[Definition]:
+    """The documented definitions of a split's files (files in order, definitions in source order)."""
+    found: list[Definition] = []
+    root = stdlib_root() if root is None else root
+    for path in corpus_files(split, root):
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        found += documented_definitions(text, path.relative_to(root).as_posix())
+    return found
+
+
+def encode_conversation(tokenizer: Tokenizer, d: Definition) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids ending with <|im_end|> and a newline), encoded apart as at inference."""
+    prompt = tokenizer.encode(chat_prompt(chat_request(d))).ids
+    return prompt, tokenizer.encode(chat_answer(d) + f"{IM_END}\n").ids
+
+
+def conversations(tokenizer: Tokenizer, definitions: list[Definition]) -> tuple[np.ndarray, np.ndarray]:
+    """The definitions whose conversation fits ``CHAT_MAX_TOKENS``, as joined ids and [start, answer, end] spans."""
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    ids: list[int] = []
+    spans: list[tuple[int, int, int]] = []
+    for d in definitions:
+        prompt, answer = encode_conversation(tokenizer, d)
+        if len(prompt) + len(answer) > CHAT_MAX_TOKENS:
+            continue
+        start = len(ids)
+        ids += prompt + answer + [eos_id]
+        spans.append((start, start + len(prompt), start + len(prompt) + len(answer)))
+    return np.asarray(ids, dtype=np.uint16), np.asarray(spans, dtype=np.int64).reshape(-1, 3)
+
+
+def heldout_requests(tokenizer: Tokenizer, root: Path | None = None, n: int = CHAT_EVAL_REQUESTS) -> list[dict]:
+    """``n`` requests from held-out files (fitting ``CHAT_MAX_TOKENS``), in a stable hash order."""
+    fitting = [d for d in split_definitions("heldout", root)
+               if sum(map(len, encode_conversation(tokenizer, d))) <= CHAT_MAX_TOKENS]
+    fitting.sort(key=lambda d: stable_hash(f"{d.path}:{d.qualname}"))
+    return [{"path": d.path, "qualname": d.qualname, "name": d.name, "kind": d.kind,
+             "request": chat_request(d)} for d in fitting[:n]]
+
+
+# --------------------------------------------------------------------------
 # prepare
 # --------------------------------------------------------------------------
 
@@ -279,6 +468,17 @@ def prepare(build: Path) -> dict:
         np.save(build / name, ids)
         meta[split] = {"files": len(docs), "chars": sum(map(len, docs)), "tokens": int(len(ids))}
         print(f"{split}: {len(ids):,} tokens ({meta[split]['chars'] / len(ids):.2f} chars/token)")
+
+    definitions = split_definitions("train")
+    chat_ids, spans = conversations(bpe, definitions)
+    np.save(build / CHAT_IDS, chat_ids)
+    np.save(build / CHAT_SPANS, spans)
+    requests = heldout_requests(bpe)
+    (build / CHAT_HELDOUT).write_text(json.dumps(requests, indent=1) + "\n")
+    meta["chat"] = {"definitions": len(definitions), "conversations": len(spans), "tokens": int(len(chat_ids)),
+                    "answer_tokens": int((spans[:, 2] - spans[:, 1]).sum()), "heldout_requests": len(requests)}
+    print(f"chat: {len(spans):,} of {len(definitions):,} documented definitions fit {CHAT_MAX_TOKENS} tokens "
+          f"({len(chat_ids):,} tokens); {len(requests)} held-out requests")
     (build / META).write_text(json.dumps(meta, indent=2) + "\n")
     print(f"prepare done in {time.time() - start:.0f}s -> {build} ({folder_size(build) / 1e6:.1f} MB)")
     return meta
@@ -304,6 +504,10 @@ class TrainConfig:
     seed: int = SEED
     log_every: int = 100
     eval_every: int = 1000
+    chat_steps: int = 0  # the last steps fill chat_fraction of each batch with conversations
+    chat_fraction: float = 0.5
+    dropout: float = 0.0  # on attention probabilities and on each block's output, while training only
+    compile: bool = False  # torch.compile the training forward (CUDA)
 
 
 def seed_everything(seed: int) -> None:
@@ -322,11 +526,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_model(eos_id: int, seed: int = SEED) -> PreTrainedModel:
-    """A freshly initialised tiny ``Qwen3ForCausalLM`` (float32)."""
+def build_model(eos_id: int, seed: int = SEED, overrides: dict | None = None) -> PreTrainedModel:
+    """A freshly initialised tiny ``Qwen3ForCausalLM`` (float32); ``overrides`` change MODEL_CONFIG's fields."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(**MODEL_CONFIG, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+    fields = {**MODEL_CONFIG, **(overrides or {})}
+    fields["max_window_layers"] = fields["num_hidden_layers"]
+    config = Qwen3Config(**fields, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(config)
 
@@ -351,12 +557,51 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
 
 
 def sample_batch(
-    tokens: torch.Tensor, cfg: TrainConfig, generator: torch.Generator
+    tokens: torch.Tensor, cfg: TrainConfig, generator: torch.Generator, rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows of ``seq_len + 1`` tokens -> (inputs, next-token targets)."""
-    starts = torch.randint(0, len(tokens) - cfg.seq_len - 1, (cfg.batch_size, 1), generator=generator)
+    rows = cfg.batch_size if rows is None else rows
+    starts = torch.randint(0, len(tokens) - cfg.seq_len - 1, (rows, 1), generator=generator)
     window = tokens[(starts + torch.arange(cfg.seq_len + 1)).to(tokens.device)]
-    return window[:, :-1], window[:, 1:]
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+IGNORE = -100  # F.cross_entropy's ignore_index: no loss on the request (or past the answer)
+
+
+def sample_chat_batch(
+    chat: torch.Tensor, spans: torch.Tensor, rows: int, cfg: TrainConfig, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows starting at random conversations; only their answer tokens are targets."""
+    pick = spans[torch.randint(0, len(spans), (rows,), generator=generator)]
+    position = pick[:, :1] + torch.arange(cfg.seq_len + 1)
+    window = chat[position.clamp(max=len(chat) - 1).to(chat.device)]
+    target_position = position[:, 1:]
+    answer = (target_position >= pick[:, 1:2]) & (target_position < pick[:, 2:3])
+    targets = window[:, 1:].masked_fill(~answer.to(chat.device), IGNORE)
+    return window[:, :-1].contiguous(), targets
+
+
+def mixed_batch(step: int, data: dict, cfg: TrainConfig, generator: torch.Generator):
+    """Plain corpus windows; in the last ``chat_steps`` steps, ``chat_fraction`` of the rows are conversations."""
+    if step < cfg.steps - cfg.chat_steps or "chat" not in data:
+        return sample_batch(data["train"], cfg, generator)
+    n_chat = round(cfg.batch_size * cfg.chat_fraction)
+    plain = sample_batch(data["train"], cfg, generator, cfg.batch_size - n_chat)
+    chat = sample_chat_batch(data["chat"], data["spans"], n_chat, cfg, generator)
+    return torch.cat([plain[0], chat[0]]), torch.cat([plain[1], chat[1]])
+
+
+def add_dropout(model: torch.nn.Module, p: float) -> None:
+    """Dropout while training: on attention probabilities (the config's own field) and on the output of
+    every attention and MLP block (hooks); a saved model has neither (``attention_dropout`` reset to 0)."""
+    if p <= 0:
+        return
+    model.config.attention_dropout = p
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = p
+        layer.self_attn.register_forward_hook(lambda m, args, out: (F.dropout(out[0], p, m.training), *out[1:]))
+        layer.mlp.register_forward_hook(lambda m, args, out: F.dropout(out, p, m.training))
 
 
 def autocast(device: torch.device):
@@ -369,25 +614,27 @@ def next_token_loss(
 ) -> torch.Tensor:
     """Cross-entropy (nats) of ``targets`` given ``inputs``; logits in float32."""
     logits = model(input_ids=inputs, use_cache=False).logits.float()
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction,
+                           ignore_index=IGNORE)
 
 
-def train_model(
-    model: torch.nn.Module, tokens: torch.Tensor, heldout: torch.Tensor, cfg: TrainConfig, device: torch.device
-) -> None:
-    """The training loop (progress printed every ``cfg.log_every`` steps)."""
+def train_model(model: torch.nn.Module, data: dict, cfg: TrainConfig, device: torch.device) -> None:
+    """The training loop over ``data`` (train, heldout, chat, spans); progress every ``cfg.log_every`` steps."""
     seed_everything(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
     optimizer = make_optimizer(model, cfg, device)
+    add_dropout(model, cfg.dropout)
     model.train()
+    forward = torch.compile(model) if cfg.compile else model
+    heldout = data["heldout"]
     tokens_per_step = cfg.batch_size * cfg.seq_len
     running, t_log, t_start = 0.0, time.time(), time.time()
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        inputs, targets = sample_batch(tokens, cfg, generator)
+        inputs, targets = mixed_batch(step, data, cfg, generator)
         with autocast(device):
-            loss = next_token_loss(model, inputs, targets)
+            loss = next_token_loss(forward, inputs, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
@@ -408,6 +655,9 @@ def train_model(
             print(f"step {step + 1:5d}  held-out CE {ce:.4f} (first {64 * cfg.seq_len} tokens)", flush=True)
             model.train()
     print(f"trained {cfg.steps} steps in {time.time() - t_start:.0f}s")
+    model.config.attention_dropout = 0.0
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.0
 
 
 # --------------------------------------------------------------------------
@@ -454,16 +704,48 @@ def unigram_entropy(targets: torch.Tensor) -> float:
     return float(-(probs * probs.log()).sum())
 
 
+def token_bytes(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
+    """UTF-8 bytes each id stands for: a byte-level BPE token has one character per byte; specials have none."""
+    special = set(tokenizer.all_special_ids)
+    vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return torch.tensor([0 if i in special else len(t) for i, t in enumerate(vocab)])
+
+
+def bits_per_byte(cross_entropy: float, targets: torch.Tensor, nbytes: torch.Tensor) -> float:
+    """Mean CE in nats per token -> bits per UTF-8 byte of the same targets (tokenizer-independent)."""
+    return cross_entropy * targets.numel() / math.log(2) / float(nbytes[targets.long()].sum())
+
+
+def answer_requests(model_dir: Path, requests: list[dict], device: str = "cpu", max_tokens: int = CHAT_ANSWER_TOKENS,
+                    ) -> list[str]:
+    """Greedy answers of the saved model (through minivllm) to each request, as one-turn chats."""
+    from minivllm import LLM, SamplingParams
+
+    # On a GPU: a fixed small cache, so that several runs can share the card.
+    sizing = {"dtype": "float32"} if device == "cpu" else {"dtype": "bfloat16", "num_kvcache_blocks": 4096}
+    with LLM(str(model_dir), device=device, **sizing) as llm:
+        outputs = llm.chat([[{"role": "user", "content": r["request"]}] for r in requests],
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    return [o.outputs[0].text for o in outputs]
+
+
+def answer_share(requests: list[dict], answers: list[str]) -> float:
+    """The share of answers that parse as Python and define the name asked for."""
+    return sum(defines(a, r["name"]) for r, a in zip(requests, answers)) / len(requests)
+
+
 def load_ids(path: Path) -> torch.Tensor:
     """A saved ``uint16`` id array as an int64 tensor."""
     return torch.from_numpy(np.load(path).astype(np.int64))
 
 
-def evaluate(model_dir: Path, build: Path, max_tokens: int | None = None) -> dict:
-    """Held-out CE of the saved model (float32 on CPU) vs the unigram baselines."""
+def evaluate(model_dir: Path, build: Path, max_tokens: int | None = None, answer_device: str | None = "cpu") -> dict:
+    """Held-out CE and bits per byte of the saved model (float32) vs the unigram baselines, and the share of
+    held-out requests its greedy answer fulfils (through minivllm on ``answer_device``; None skips it)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    device = "cuda" if answer_device == "cuda" else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).to(device)
     heldout = load_ids(build / HELDOUT_IDS)
     if max_tokens:
         heldout = heldout[:max_tokens]
@@ -477,12 +759,23 @@ def evaluate(model_dir: Path, build: Path, max_tokens: int | None = None) -> dic
         "unigram_heldout_ce": unigram_entropy(targets),
     }
     result["ratio_to_unigram_heldout"] = result["model_ce"] / result["unigram_heldout_ce"]
+    result["bits_per_byte"] = bits_per_byte(result["model_ce"], targets, token_bytes(load_tokenizer(model_dir)))
     print(
         f"held-out CE over {result['eval_tokens']:,} tokens ({time.time() - start:.0f}s): "
         f"model {result['model_ce']:.4f} | unigram(train counts, add-one) {result['unigram_train_add_one_ce']:.4f} | "
         f"unigram(held-out itself) {result['unigram_heldout_ce']:.4f} | "
         f"ratio {result['ratio_to_unigram_heldout']:.3f} (test needs <= 0.6)"
     )
+    print(f"held-out bits per byte {result['bits_per_byte']:.4f}")
+    if answer_device:
+        requests = json.loads((build / CHAT_HELDOUT).read_text())
+        start = time.time()
+        answers = answer_requests(model_dir, requests, answer_device)
+        result["answer_share"] = answer_share(requests, answers)
+        result["answers"] = [{"request": r["request"], "answer": a, "defines": defines(a, r["name"])}
+                             for r, a in zip(requests, answers)]
+        print(f"held-out requests: {result['answer_share']:.0%} of {len(requests)} greedy answers parse and define "
+              f"the name asked for ({time.time() - start:.0f}s on {answer_device})")
     return result
 
 
@@ -522,53 +815,67 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: 
     for name in OUTPUT_FILES:
         (out / name).unlink(missing_ok=True)
     eos_id = model.config.eos_token_id
+    # Like Qwen's checkpoints: generation also ends at the end of a chat turn.
     model.generation_config = GenerationConfig(
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False
+        bos_token_id=eos_id, eos_token_id=[eos_id, tokenizer.convert_tokens_to_ids(IM_END)], pad_token_id=eos_id,
+        do_sample=False,
     )
     model.to(torch.bfloat16).save_pretrained(out)
     save_tokenizer(tokenizer, out)
 
 
-def write_model_card(
-    out: Path, meta: dict, cfg: TrainConfig, device: torch.device, result: dict, n_params: int
-) -> None:
-    """A short README.md saying how the folder was made."""
+def write_model_card(out: Path, meta: dict, cfg: TrainConfig, device: torch.device, result: dict,
+                     n_params: int, config: dict) -> None:
+    """A short README.md saying how the folder was made and how well it does."""
     import transformers
 
-    c = MODEL_CONFIG
+    c = config
+    previous = PREVIOUS_MODEL_BITS_PER_BYTE["all"]
+    answers = ""
+    if "answer_share" in result:
+        answers = (f"\n- Held-out requests ({len(result['answers'])}, from files never trained on): "
+                   f"{result['answer_share']:.0%} of the greedy answers parse as Python and define the function "
+                   f"or class asked for.")
     card = f"""# tiny-qwen3
 
 A {n_params / 1e6:.1f}M-parameter `Qwen3ForCausalLM` trained from scratch for the minivllm
-course on the source code of the Python {meta['python']} standard library.
+course on the source code of the Python {meta['python']} standard library, then taught to
+answer a request for a function or class with its code.
 Made by `tools/train_tiny_qwen3.py` (see its docstring); do not edit by hand.
 
 - Architecture: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, MLP {c['intermediate_size']},
   {c['num_attention_heads']} query / {c['num_key_value_heads']} KV heads of dim {c['head_dim']},
   q/k RMSNorm, tied embeddings, RoPE theta {c['rope_parameters']['rope_theta']:g}.
 - Tokenizer: byte-level BPE, vocab {c['vocab_size']}; `<|endoftext|>` is eos and pad;
-  ChatML `<|im_start|>` / `<|im_end|>` and chat template.
+  ChatML `<|im_start|>` / `<|im_end|>` and chat template; generation stops at either.
 - Corpus: {meta['train']['files']} train files ({meta['train']['tokens']:,} tokens);
-  {meta['heldout']['files']} files held out by path hash ({meta['heldout']['tokens']:,} tokens).
-- Training: seed {cfg.seed}, {cfg.steps} steps x batch {cfg.batch_size} x {cfg.seq_len} tokens,
+  {meta['heldout']['files']} files held out by path hash ({meta['heldout']['tokens']:,} tokens);
+  {meta['chat']['conversations']:,} conversations from the train files' documented definitions.
+- Training: seed {cfg.seed}, {cfg.steps} steps x batch {cfg.batch_size} x {cfg.seq_len} tokens
+  (the last {cfg.chat_steps} with {cfg.chat_fraction:.0%} conversations), dropout {cfg.dropout:g},
   AdamW lr {cfg.lr:g} (warmup {cfg.warmup_steps}, cosine to {cfg.min_lr_ratio:g}x), {device.type},
   torch {torch.__version__}, transformers {transformers.__version__}.
 - Held-out cross-entropy, nats/token over {result['eval_tokens']:,} tokens (bf16 weights run in float32):
   model **{result['model_ce']:.3f}**; unigram from train counts with add-one smoothing
   {result['unigram_train_add_one_ce']:.3f}; unigram fit on the evaluated tokens themselves
   {result['unigram_heldout_ce']:.3f} (model / unigram = {result['ratio_to_unigram_heldout']:.3f}).
+- Held-out bits per byte: **{result['bits_per_byte']:.4f}** (the previous 5.0M model: {previous:.4f};
+  {1 - result['bits_per_byte'] / previous:.1%} lower).{answers}
 
 Rebuild:
 
 ```
 python tools/train_tiny_qwen3.py prepare --build build/tiny
 python tools/train_tiny_qwen3.py train --build build/tiny --out minivllm/data/tiny-qwen3 \\
-    --device {device.type} --steps {cfg.steps} --batch-size {cfg.batch_size}
+    --device {device.type} --steps {cfg.steps} --batch-size {cfg.batch_size} --lr {cfg.lr:g} \\
+    --chat-steps {cfg.chat_steps} --chat-fraction {cfg.chat_fraction:g} --dropout {cfg.dropout:g}{' --compile' if cfg.compile else ''}
 ```
 """
     (out / "README.md").write_text(card)
 
 
-def train(build: Path, out: Path, device_name: str, cfg: TrainConfig, eval_tokens: int | None) -> dict:
+def train(build: Path, out: Path, device_name: str, cfg: TrainConfig, eval_tokens: int | None,
+          overrides: dict | None = None, answers_on: str | None = None) -> dict:
     """Train from the build folder, save to ``out``, evaluate the saved folder."""
     device = resolve_device(device_name)
     if device.type == "cuda":
@@ -576,15 +883,19 @@ def train(build: Path, out: Path, device_name: str, cfg: TrainConfig, eval_token
         torch.backends.cudnn.allow_tf32 = True
     meta = json.loads((build / META).read_text())
     tokenizer = load_tokenizer(build / TOKENIZER_DIR)
-    tokens = load_ids(build / TRAIN_IDS).to(device)
-    heldout = load_ids(build / HELDOUT_IDS).to(device)
-    model = build_model(tokenizer.eos_token_id, cfg.seed).to(device)
+    data = {name: load_ids(build / file).to(device) for name, file in
+            (("train", TRAIN_IDS), ("heldout", HELDOUT_IDS), ("chat", CHAT_IDS))}
+    data["spans"] = torch.from_numpy(np.load(build / CHAT_SPANS))
+    model = build_model(tokenizer.eos_token_id, cfg.seed, overrides).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f}M parameters on {device}; train tokens {len(tokens):,}; {asdict(cfg)}")
-    train_model(model, tokens, heldout, cfg, device)
+    print(f"model: {n_params / 1e6:.2f}M parameters on {device}; train tokens {len(data['train']):,}; "
+          f"{len(data['spans']):,} conversations; {asdict(cfg)}")
+    train_model(model, data, cfg, device)
     save_model(model.cpu(), tokenizer, out)
-    result = evaluate(out, build, eval_tokens)
-    write_model_card(out, meta, cfg, device, result, n_params)
+    answers_on = device.type if answers_on is None else None if answers_on == "none" else answers_on
+    result = evaluate(out, build, eval_tokens, answers_on)
+    (out.parent / f"{out.name}.eval.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_model_card(out, meta, cfg, device, result, n_params, model.config.to_dict())
     print(f"saved {out} ({folder_size(out) / 1e6:.2f} MB)")
     return result
 
@@ -613,9 +924,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("--seed", type=int, default=defaults.seed)
         p.add_argument("--log-every", type=int, default=defaults.log_every)
         p.add_argument("--eval-every", type=int, default=defaults.eval_every, help="0 disables")
+        p.add_argument("--chat-steps", type=int, default=defaults.chat_steps, help="last steps that mix in chats")
+        p.add_argument("--chat-fraction", type=float, default=defaults.chat_fraction)
+        p.add_argument("--dropout", type=float, default=defaults.dropout)
+        p.add_argument("--compile", action="store_true", help="torch.compile the training forward")
+        p.add_argument("--model-config", type=json.loads, default=None,
+                       help="JSON object overriding MODEL_CONFIG's fields (for experiments)")
 
     def add_eval(p: argparse.ArgumentParser) -> None:
         p.add_argument("--eval-tokens", type=int, default=None, help="first N held-out tokens (default: all)")
+        p.add_argument("--answer-device", choices=("cpu", "cuda", "none"), default=None,
+                       help="where minivllm answers the held-out requests (default: the training device; eval: cpu)")
 
     add_build(sub.add_parser("prepare", help="corpus, tokenizer and token ids (CPU)"))
     for name, help_text in (("train", "train from a build folder, save and evaluate"), ("all", "prepare + train")):
@@ -627,6 +946,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_build(p_eval)
     add_eval(p_eval)
     p_eval.add_argument("--model", type=Path, required=True, help="saved Hugging Face folder")
+    p_eval.add_argument("--json", type=Path, default=None, help="also write the results (and answers) here")
     return parser.parse_args(argv)
 
 
@@ -640,7 +960,17 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         seed=args.seed,
         log_every=args.log_every,
         eval_every=args.eval_every,
+        chat_steps=min(args.chat_steps, args.steps),
+        chat_fraction=args.chat_fraction,
+        dropout=args.dropout,
+        compile=args.compile,
     )
+
+
+def answer_device(args: argparse.Namespace, default: str) -> str | None:
+    """--answer-device, with ``none`` as None (skip the requests)."""
+    name = args.answer_device or default
+    return None if name == "none" else name
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -649,9 +979,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.command in ("prepare", "all"):
         prepare(args.build)
     if args.command in ("train", "all"):
-        train(args.build, args.out, args.device, train_config(args), args.eval_tokens)
+        train(args.build, args.out, args.device, train_config(args), args.eval_tokens, args.model_config,
+              args.answer_device)
     if args.command == "eval":
-        evaluate(args.model, args.build, args.eval_tokens)
+        result = evaluate(args.model, args.build, args.eval_tokens, answer_device(args, "cpu"))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
