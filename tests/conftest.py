@@ -11,8 +11,33 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 
 def pytest_collection_finish(session):
     import hypothesis  # noqa: F401  (its plugins register PRNGs, checking their referrers: before the freeze hides them)
     gc.collect()   # (nothing that is garbage now is kept for ever)
     gc.freeze()
+
+
+@pytest.fixture(scope="session")
+def _rank_pools():
+    pools = []
+    yield pools
+    for pool in pools:
+        pool.close()
+
+
+@pytest.fixture
+def rank_pool(_rank_pools):
+    """Two spawned processes for checks over a 2-rank gloo group, started once for the session (tests/_rank_pool.py);
+    a new pair after a job that failed."""
+    import os
+    import sys
+    here = os.path.dirname(__file__)
+    if here not in sys.path:   # (the ranks import the check modules from here)
+        sys.path.insert(0, here)
+    from _rank_pool import RankPool
+    if not _rank_pools or not _rank_pools[-1].alive:
+        _rank_pools.append(RankPool())
+    return _rank_pools[-1]

@@ -214,29 +214,16 @@ def test_join_and_leave_a_group_with_public_apis():
 
 
 @pytest.mark.timeout(180)
-def test_ranks_agree_on_the_smallest_kv_cache():
-    "Rank 1 has twice rank 0's memory budget: both size their cache for rank 0's (the block manager's numbers)."
-    import multiprocessing as mp
-
+def test_ranks_agree_on_the_smallest_kv_cache(rank_pool):
+    """Rank 1 has twice rank 0's memory budget: both size their cache for rank 0's (the block manager's numbers).
+    (The ranks are the session's shared pair of processes, tests/_rank_pool.py: each runs _tp_kv_worker.run.)"""
     from minivllm.engine.kv_cache import num_kv_blocks
-    ctx, budgets, here = mp.get_context("spawn"), [0.01, 0.02], os.path.dirname(__file__)
-    sys.path.insert(0, here)   # the spawned ranks import the worker module from here
-    try:
-        import _tp_kv_worker
-        results, ports = ctx.Queue(), ctx.Queue()
-        rank0 = ctx.Process(target=_tp_kv_worker.run, args=(0, ports, budgets, results))
-        rank1 = ctx.Process(target=_tp_kv_worker.run, args=(1, ports, budgets, results))
-        rank0.start(), rank1.start()   # (rank 1 waits for the port of rank 0's store)
-        kind, port = results.get(timeout=120)
-        blocks = dict(results.get(timeout=120) for _ in range(2))
-        rank0.join(60), rank1.join(60)
-    finally:
-        sys.path.remove(here)
+    budgets = [0.01, 0.02]
+    blocks = rank_pool.run("_tp_kv_worker", "run", budgets, timeout=120)
     small = Config(TINY_MODEL_PATH, tensor_parallel_size=2, device="cpu", max_model_len=256, max_num_seqs=256)
     expected = num_kv_blocks(small, int(budgets[0] * 2**30))
-    assert kind == "port" and blocks == {0: expected, 1: expected}
+    assert blocks == {0: expected, 1: expected}
     assert expected < num_kv_blocks(small, int(budgets[1] * 2**30))
-    assert rank0.exitcode == 0 and rank1.exitcode == 0
 
 
 # ---------------------------------------------------------------- TP=2 engines on the CPU
