@@ -126,10 +126,12 @@ def test_qwen3_06b_float32_greedy_matches_transformers_on_gpu(qwen3_06b, gpu_pro
 
 # ---- cascade decode: a prefix shared by the whole batch is read once (notebook 05) ------------------------------
 
-def _generate_with_shared_prefix(ids, monkeypatch, **kwargs):
-    """Cache a shared prefix with one request, then decode 5 requests that start with it; thresholds lowered to fit.
-    Returns the tokens, the shared prefix length the batch builder gave each decode step, the prefix's length, and
-    whether CUDA graphs that read a shared prefix once were recorded (None without graphs)."""
+def _generate_with_shared_prefix(ids, monkeypatch, num_requests: int = 5, max_tokens: int = 8, warm_tokens: int = 8,
+                                 **kwargs):
+    """Cache a shared prefix with one request (of `warm_tokens`), then decode `num_requests` requests that start with
+    it (`max_tokens` each); thresholds lowered to fit. Returns the tokens, the shared prefix length the batch builder
+    gave each decode step, the prefix's length, and whether CUDA graphs that read a shared prefix once were recorded
+    (None without graphs)."""
     from minivllm.engine.batch_builder import BatchBuilder
     from minivllm.kernels import cascade
     monkeypatch.setattr(cascade, "CASCADE_MIN_PREFIX", 16)
@@ -143,12 +145,12 @@ def _generate_with_shared_prefix(ids, monkeypatch, **kwargs):
         return step
     monkeypatch.setattr(BatchBuilder, "build", spy)
     shared = ids[7] + ids[0] + ids[2]
-    prompts = [shared + tail for tail in ids[:5]]
-    params = SamplingParams(temperature=0, max_tokens=8)
+    prompts = [shared + tail for tail in ids[:num_requests]]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
     with LLM(TINY_MODEL_PATH, max_model_len=256, **kwargs) as llm:
         engine = llm.llm_engine
         assert engine.config.cascade and engine.builder.cascade
-        llm.generate([shared], params, use_tqdm=False)
+        llm.generate([shared], SamplingParams(temperature=0, max_tokens=warm_tokens), use_tqdm=False)
         outs = llm.generate(prompts, params, use_tqdm=False)
         graphs = engine.executor.runner.graphs
         cascade_graphs = None if graphs is None else bool(graphs.cascade_graphs)
@@ -157,13 +159,16 @@ def _generate_with_shared_prefix(ids, monkeypatch, **kwargs):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run of the Triton kernels (interpreter)")
 def test_cascade_decode_on_cpu_gives_the_tokens_of_plain_attention(tiny_reference, monkeypatch):
+    "Three requests, 4 tokens each (the interpreter runs every program of every kernel in Python: kept small)."
     ids, _ = tiny_reference
-    got, used, n, _ = _generate_with_shared_prefix(ids, monkeypatch, device="cpu", attention_backend="triton")
-    assert max(used) == (n - 1) // 16 * 16 > 0   # the decode steps of the 5 requests read the prefix once
+    got, used, n, _ = _generate_with_shared_prefix(ids, monkeypatch, num_requests=3, max_tokens=4, warm_tokens=1,
+                                                   device="cpu", attention_backend="triton")
+    assert max(used) == (n - 1) // 16 * 16 > 0   # the decode steps of the 3 requests read the prefix once
+    assert len(used) >= 2 and all(len(t) == 4 for t in got)   # (none stopped early: every decode step had all 3)
     with LLM(TINY_MODEL_PATH, max_model_len=256, device="cpu", attention_backend="torch") as llm:
         assert not llm.llm_engine.config.cascade
-        want = llm.generate([ids[7] + ids[0] + ids[2] + tail for tail in ids[:5]],
-                            SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        want = llm.generate([ids[7] + ids[0] + ids[2] + tail for tail in ids[:3]],
+                            SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert got == [o.outputs[0].token_ids for o in want]
 
 

@@ -3,8 +3,6 @@ tensor-parallel shard arithmetic (ranks built explicitly in one process with `tp
 2-process gloo group)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -451,13 +449,8 @@ def test_embedding_and_head_bad_input():
 
 # ---------------------------------------------------------------- a real 2-process group (gloo, CPU)
 
-def test_layers_over_a_real_process_group():
-    "Two processes, gloo: the layers built with TPGroup(rank, 2, WORLD, WORLD); their collectives give full results."
-    import torch.multiprocessing as mp
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    try:
-        import _layers_tp_worker
-        mp.spawn(_layers_tp_worker.run, args=(2, free_port()), nprocs=2, join=True)
-    finally:
-        sys.path.remove(str(Path(__file__).parent))
+@pytest.mark.timeout(300)
+def test_layers_over_a_real_process_group(rank_pool):
+    """Two processes, gloo: the layers built with TPGroup(rank, 2, WORLD, WORLD); their collectives give full results.
+    (The processes are the session's shared pair, tests/_rank_pool.py: each rank runs _layers_tp_worker.run.)"""
+    assert rank_pool.run("_layers_tp_worker", "run", 2, free_port()) == {0: None, 1: None}

@@ -143,9 +143,18 @@ PENALIZED = [SamplingParams(temperature=0, max_tokens=32, repetition_penalty=1.2
              SamplingParams(temperature=0, max_tokens=32)]
 
 
+@pytest.fixture(scope="module")
+def one_at_a_time(tiny):
+    """Prompt i with PENALIZED[i], one request at a time: no batch-mates at all. (The test below sends each of these
+    pairs twice in a batch, in both of its cases: their tokens alone are computed once.)"""
+    _, _, ids = tiny
+    with LLM(TINY_MODEL_PATH, max_model_len=128) as llm:
+        return [generate_ids(llm, [p], sp)[0] for p, sp in zip(ids, PENALIZED, strict=True)]
+
+
 @pytest.mark.parametrize("kwargs", [dict(), dict(num_kvcache_blocks=20, block_size=4, max_num_seqs=8, max_model_len=64)],
                          ids=["plain", "preemption"])
-def test_penalties_give_the_same_tokens_with_and_without_asynchronous_scheduling(tiny, kwargs):
+def test_penalties_give_the_same_tokens_with_and_without_asynchronous_scheduling(tiny, one_at_a_time, kwargs):
     _, _, ids = tiny
     prompts, params = ids * 2, PENALIZED * 2
     results = []
@@ -155,8 +164,7 @@ def test_penalties_give_the_same_tokens_with_and_without_asynchronous_scheduling
             if kwargs:
                 assert llm.llm_engine.stats.num_preemptions > 0
     assert results[0] == results[1]
-    with LLM(TINY_MODEL_PATH, max_model_len=128) as llm:   # one request at a time: no batch-mates at all
-        assert [generate_ids(llm, [p], sp)[0] for p, sp in zip(prompts, params)] == results[0]
+    assert one_at_a_time * 2 == results[0]   # (prompts, params) is the same 4 pairs twice
 
 
 @pytest.mark.gpu

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -448,10 +447,9 @@ def test_packed_weights_mapping():
 
 # ---------------------------------------------------------------- tensor parallel: 2 processes, shards cut at load
 
-def test_tensor_parallel_model_matches_hf(tmp_path):
+@pytest.mark.timeout(300)
+def test_tensor_parallel_model_matches_hf(tmp_path, rank_pool):
     "TP=2 over gloo: each rank loads its shards from the full checkpoint (Qwen3, Qwen3-MoE); the logits match transformers."
-    import torch.multiprocessing as mp
-
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     torch.manual_seed(0)
     moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=131, hidden_size=32, intermediate_size=48, head_dim=8,
@@ -460,12 +458,8 @@ def test_tensor_parallel_model_matches_hf(tmp_path):
     folders = [str(save_hf(tmp_path, "gqa", make_hf(**CONFIGS["gqa4_three_layers"]))),
                str(save_hf(tmp_path, "mqa", make_hf(**CONFIGS["mqa_narrow_bias"]))),   # 1 KV head: replicated
                str(save_hf(tmp_path, "moe", moe.eval()))]                                 # experts cut in two
-    sys.path.insert(0, str(Path(__file__).parent))
-    try:
-        import _qwen3_tp_worker
-        mp.spawn(_qwen3_tp_worker.run, args=(2, free_port(), folders), nprocs=2, join=True)
-    finally:
-        sys.path.remove(str(Path(__file__).parent))
+    # (the processes are the session's shared pair, tests/_rank_pool.py: each rank runs _qwen3_tp_worker.run)
+    assert rank_pool.run("_qwen3_tp_worker", "run", 2, free_port(), folders) == {0: None, 1: None}
 
 
 # ---------------------------------------------------------------- GPU: Qwen3-0.6B's dimensions

@@ -206,13 +206,15 @@ def test_longest_prompt_generates_exactly_one_token(llm):
     assert_clean(engine)
 
 
-@pytest.mark.parametrize("prompt_len", [1, 20, MAX_MODEL_LEN - 2])
 @pytest.mark.parametrize("max_tokens", [MAX_MODEL_LEN, 10**9, None])
-def test_generation_stops_at_max_model_len(llm, prompt_len, max_tokens):
-    "prompt + max_tokens beyond max_model_len: exactly max_model_len - prompt_len tokens, finish_reason 'length'."
+def test_generation_stops_at_max_model_len(llm, max_tokens):
+    """prompt + max_tokens beyond max_model_len: exactly max_model_len - prompt_len tokens, finish_reason 'length'.
+    The three prompt lengths go in one call (each request is capped on its own; one call costs one request's steps)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    out = llm.generate([list(range(1, prompt_len + 1))], params, use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) == MAX_MODEL_LEN - prompt_len and out.finish_reason == "length"
+    prompt_lens = [1, 20, MAX_MODEL_LEN - 2]
+    outs = llm.generate([list(range(1, n + 1)) for n in prompt_lens], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [MAX_MODEL_LEN - n for n in prompt_lens]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
     assert_clean(llm.llm_engine)
 
 
@@ -395,9 +397,9 @@ def test_gpu_without_bfloat16(monkeypatch):
 
 # ---- 3. memory pressure: preemption gives the same tokens -------------------------------------------------------
 def test_small_kv_cache_preempts_and_gives_the_same_tokens():
-    "200 requests through a cache that holds 3 full sequences: same greedy tokens as a roomy cache, all blocks back."
+    "120 requests through a cache that holds 3 full sequences: same greedy tokens as a roomy cache, all blocks back."
     rng = random.Random(8)
-    prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 40))] for _ in range(200)]
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 40))] for _ in range(120)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.5)
               for _ in prompts]
     common = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=256)

@@ -214,38 +214,34 @@ def test_join_and_leave_a_group_with_public_apis():
 
 
 @pytest.mark.timeout(180)
-def test_ranks_agree_on_the_smallest_kv_cache():
-    "Rank 1 has twice rank 0's memory budget: both size their cache for rank 0's (the block manager's numbers)."
-    import multiprocessing as mp
-
+def test_ranks_agree_on_the_smallest_kv_cache(rank_pool):
+    """Rank 1 has twice rank 0's memory budget: both size their cache for rank 0's (the block manager's numbers).
+    (The ranks are the session's shared pair of processes, tests/_rank_pool.py: each runs _tp_kv_worker.run.)"""
     from minivllm.engine.kv_cache import num_kv_blocks
-    ctx, budgets, here = mp.get_context("spawn"), [0.01, 0.02], os.path.dirname(__file__)
-    sys.path.insert(0, here)   # the spawned ranks import the worker module from here
-    try:
-        import _tp_kv_worker
-        results = ctx.Queue()
-        rank0 = ctx.Process(target=_tp_kv_worker.run, args=(0, 0, budgets, results))
-        rank0.start()
-        kind, port = results.get(timeout=120)
-        rank1 = ctx.Process(target=_tp_kv_worker.run, args=(1, port, budgets, results))
-        rank1.start()
-        blocks = dict(results.get(timeout=120) for _ in range(2))
-        rank0.join(60), rank1.join(60)
-    finally:
-        sys.path.remove(here)
+    budgets = [0.01, 0.02]
+    blocks = rank_pool.run("_tp_kv_worker", "run", budgets, timeout=120)
     small = Config(TINY_MODEL_PATH, tensor_parallel_size=2, device="cpu", max_model_len=256, max_num_seqs=256)
     expected = num_kv_blocks(small, int(budgets[0] * 2**30))
-    assert kind == "port" and blocks == {0: expected, 1: expected}
+    assert blocks == {0: expected, 1: expected}
     assert expected < num_kv_blocks(small, int(budgets[1] * 2**30))
-    assert rank0.exitcode == 0 and rank1.exitcode == 0
 
 
 # ---------------------------------------------------------------- TP=2 engines on the CPU
 
-@pytest.mark.timeout(300)
-def test_tp2_matches_tp1_and_close_leaves_no_process(reference):
+@pytest.fixture(scope="module")
+def tp2():
+    """One TP=2 engine for the tests that do not damage it (each start costs two worker processes that import torch):
+    they run in file order, and the last of them closes it and checks its workers are gone. Yields the engine and the
+    child processes there were before it."""
     before = our_children()
     llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
+    yield llm, before
+    llm.close()   # (already closed by the last test, unless it failed first)
+
+
+@pytest.mark.timeout(300)
+def test_tp2_matches_tp1(tp2, reference):
+    llm, before = tp2
     executor = llm.llm_engine.executor
     assert type(executor).__name__ == "MultiProcExecutor" and sorted(executor.workers.procs) == [0, 1]
     assert len(our_children() - before) == 2
@@ -254,20 +250,42 @@ def test_tp2_matches_tp1_and_close_leaves_no_process(reference):
     with LLM(TINY_MODEL_PATH, **ENGINE) as tp1:   # prompt rows through the vocab-parallel LM head, rank 0's history
         assert_same_features(llm.generate(PROMPTS, FEATURES, use_tqdm=False),
                              tp1.generate(PROMPTS, FEATURES, use_tqdm=False))
-    llm.close()
-    assert our_children() == before
-    with pytest.raises(RuntimeError, match="closed"):
-        completions(llm)
 
 
 @pytest.mark.timeout(300)
-def test_two_tp2_engines_alive_at_once_and_garbage_collection(reference):
-    before = our_children()
-    a = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
+def test_ctrl_c_in_the_middle_of_a_message_is_raised_after_it(tp2, reference, request):
+    """SIGINT goes to a process, and the kernel may hand it to any thread; Python then raises KeyboardInterrupt in the
+    main thread, wherever it is. Between a step's header and its payload, that would leave rank 0 reading a broken
+    request: `_send` holds the signal back until the message is whole, then raises it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)   # as in a terminal (a launcher may ignore it)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
+    llm, _ = tp2
+    rpc = llm.llm_engine.executor.workers.rpc
+    real_send_bytes, interrupted = rpc.send_bytes, []
+
+    def send_bytes_after_a_ctrl_c(payload):   # the header is out; a Ctrl-C arrives through another thread
+        if not interrupted:
+            interrupted.append(True)
+            threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT)).start()
+            time.sleep(0.5)                    # the signal's handler runs here, in the main thread
+        real_send_bytes(payload)
+    rpc.send_bytes = send_bytes_after_a_ctrl_c
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            completions(llm)
+    finally:
+        del rpc.send_bytes
+    assert interrupted and not llm.llm_engine.requests
+    assert_same(completions(llm), reference)   # rank 0 read whole messages: the engine goes on
+
+
+@pytest.mark.timeout(300)
+def test_two_tp2_engines_alive_at_once_close_and_garbage_collection(tp2, reference):
+    "A second TP=2 engine beside the first; closing the first ends its workers only; dropping the second ends its own."
+    a, before = tp2
     b = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
     try:
         assert len(our_children() - before) == 4
-        assert_same(completions(a), reference)
         assert_same(completions(b), reference)
         stream = b.stream(PROMPTS[2], SamplingParams(temperature=0, max_tokens=24))   # interleave the two engines
         first = next(stream)
@@ -276,7 +294,9 @@ def test_two_tp2_engines_alive_at_once_and_garbage_collection(reference):
         assert first.outputs[0].token_ids + rest == reference[2].token_ids
     finally:
         a.close()
-    assert len(our_children() - before) == 2   # b's workers
+    assert len(our_children() - before) == 2   # b's workers: close() ended a's, and only a's
+    with pytest.raises(RuntimeError, match="closed"):
+        completions(a)
     del b, stream
     gc.collect()
     assert our_children() == before
@@ -296,8 +316,15 @@ def test_worker_failure_during_load_is_raised(monkeypatch):
     assert our_children() == before
 
 
-@pytest.mark.timeout(180)
-def test_worker_failure_during_a_step_is_raised_and_the_engine_refuses_more(monkeypatch, reference):
+@pytest.mark.timeout(240)
+def test_worker_failure_or_death_ends_the_call_and_a_new_engine_works(monkeypatch, reference):
+    """Three engines in turn (each start costs two worker processes, so one test goes through them):
+    1. rank 1 raises at its first step: the call fails with its error, the group is taken down at once, and the engine
+       refuses more;
+    2. a new engine in the same process works; its rank 0 (the one that samples) is killed while a long generation
+       runs: the call ends at once, naming it;
+    3. a new engine works again; its rank 1 killed while the engine is idle (between two calls) fails the next step.
+    After each, none of its workers is left."""
     before = our_children()
     monkeypatch.setenv("MINIVLLM_TP_FAIL", "1:step")
     llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
@@ -309,27 +336,9 @@ def test_worker_failure_during_a_step_is_raised_and_the_engine_refuses_more(monk
         completions(llm)
     llm.close()
     monkeypatch.delenv("MINIVLLM_TP_FAIL")
-    with LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE) as again:   # a new engine in the same process works
-        assert_same(completions(again), reference)
-    assert our_children() == before
 
-
-@pytest.mark.timeout(180)
-def test_a_worker_killed_while_idle_fails_the_next_step():
-    before = our_children()
-    llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
-    os.kill(llm.llm_engine.executor.workers.procs[1].pid, signal.SIGKILL)
-    with pytest.raises(RuntimeError, match="tensor-parallel worker rank 1 was killed by signal 9 unexpectedly"):
-        completions(llm)
-    llm.close()
-    assert our_children() == before
-
-
-@pytest.mark.timeout(180)
-def test_a_worker_killed_in_the_middle_of_a_call_ends_it_with_an_error(reference):
-    "Rank 0 (the one that samples) is killed while a long generation runs: the call ends at once, naming it."
-    before = our_children()
-    llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
+    llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)   # a new engine in the same process works
+    assert_same(completions(llm), reference)
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     stream = llm.stream(PROMPTS[3], params)
     next(stream)
@@ -340,34 +349,14 @@ def test_a_worker_killed_in_the_middle_of_a_call_ends_it_with_an_error(reference
     assert time.monotonic() - start < 30
     llm.close()
     assert our_children() == before
-    with LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE) as again:
-        assert_same(completions(again), reference)
 
-
-@pytest.mark.timeout(300)
-def test_ctrl_c_in_the_middle_of_a_message_is_raised_after_it(reference, request):
-    """SIGINT goes to a process, and the kernel may hand it to any thread; Python then raises KeyboardInterrupt in the
-    main thread, wherever it is. Between a step's header and its payload, that would leave rank 0 reading a broken
-    request: `_send` holds the signal back until the message is whole, then raises it."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)   # as in a terminal (a launcher may ignore it)
-    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
-    llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
-    rpc = llm.llm_engine.executor.workers.rpc
-    real_send_bytes, interrupted = rpc.send_bytes, []
-
-    def send_bytes_after_a_ctrl_c(payload):   # the header is out; a Ctrl-C arrives through another thread
-        if not interrupted:
-            interrupted.append(True)
-            threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT)).start()
-            time.sleep(0.5)                    # the signal's handler runs here, in the main thread
-        real_send_bytes(payload)
-    rpc.send_bytes = send_bytes_after_a_ctrl_c
-    with pytest.raises(KeyboardInterrupt):
+    llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)   # and after a killed one
+    assert_same(completions(llm), reference)
+    os.kill(llm.llm_engine.executor.workers.procs[1].pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="tensor-parallel worker rank 1 was killed by signal 9 unexpectedly"):
         completions(llm)
-    del rpc.send_bytes
-    assert interrupted and not llm.llm_engine.requests
-    assert_same(completions(llm), reference)   # rank 0 read whole messages: the engine goes on
     llm.close()
+    assert our_children() == before
 
 
 def next_line(proc: subprocess.Popen, timeout: float) -> str:
