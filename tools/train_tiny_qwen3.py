@@ -81,6 +81,7 @@ import math
 import os
 import platform
 import random
+import re
 import sys
 import sysconfig
 import textwrap
@@ -320,12 +321,25 @@ def signature_of(node: ast.AST) -> str:
     return f"{node.name}({ast.unparse(node.args)}){returns}"
 
 
+def source_segment(lines: list[str], node: ast.AST) -> str:
+    """``ast.get_source_segment(text, node, padded=True)`` from the text's lines, split once per file
+    (``get_source_segment`` splits the whole text again at every call: minutes over the standard library)."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    head, tail = lines[first].encode("utf-8"), lines[last].encode("utf-8")
+    if first == last:
+        return head[node.col_offset : node.end_col_offset].decode("utf-8")
+    padding = re.sub(r"\S", " ", head[: node.col_offset].decode("utf-8"))
+    return padding + head[node.col_offset :].decode("utf-8") + "".join(lines[first + 1 : last]) + \
+        tail[: node.end_col_offset].decode("utf-8")
+
+
 def documented_definitions(text: str, path: str) -> list[Definition]:
     """Every function, method and class of a module that has a docstring, in source order."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
         return []
+    lines = re.findall(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$", text)  # line ends as the parser counts them
     found: list[Definition] = []
 
     def visit(node: ast.AST, outer: list[str], in_class: bool) -> None:
@@ -334,7 +348,7 @@ def documented_definitions(text: str, path: str) -> list[Definition]:
                 continue
             is_class = isinstance(child, ast.ClassDef)
             docstring = ast.get_docstring(child)
-            source = docstring and doc_summary(docstring) and ast.get_source_segment(text, child, padded=True)
+            source = docstring and doc_summary(docstring) and source_segment(lines, child)
             if source:
                 kind = "class" if is_class else "method" if in_class else "function"
                 found.append(Definition(path, ".".join(outer + [child.name]), child.name, kind,
