@@ -146,7 +146,7 @@ def _generate_with_shared_prefix(ids, monkeypatch, num_requests: int = 5, max_to
     monkeypatch.setattr(BatchBuilder, "build", spy)
     shared = ids[7] + ids[0] + ids[2]
     prompts = [shared + tail for tail in ids[:num_requests]]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)   # every step has them all
     with LLM(TINY_MODEL_PATH, max_model_len=256, **kwargs) as llm:
         engine = llm.llm_engine
         assert engine.config.cascade and engine.builder.cascade
@@ -168,7 +168,7 @@ def test_cascade_decode_on_cpu_gives_the_tokens_of_plain_attention(tiny_referenc
     with LLM(TINY_MODEL_PATH, max_model_len=256, device="cpu", attention_backend="torch") as llm:
         assert not llm.llm_engine.config.cascade
         want = llm.generate([ids[7] + ids[0] + ids[2] + tail for tail in ids[:3]],
-                            SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+                            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert got == [o.outputs[0].token_ids for o in want]
 
 
@@ -181,7 +181,7 @@ def test_gpu_cascade_decode_with_cuda_graphs_gives_the_tokens_of_eager_plain_att
     with LLM(TINY_MODEL_PATH, max_model_len=256, dtype="float32", enable_prefix_caching=False) as llm:
         assert not llm.llm_engine.config.cascade
         want = llm.generate([ids[7] + ids[0] + ids[2] + tail for tail in ids[:5]],
-                            SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert got == [o.outputs[0].token_ids for o in want]
 
 
