@@ -186,3 +186,17 @@ def test_training_mixes_conversations_in_and_leaves_no_dropout_behind(script, to
     ids = data["heldout"][:32][None]
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)  # no dropout in eval
+
+
+def test_dropout_rate_can_change_and_turn_off(script) -> None:
+    model = script.build_model(0, overrides={"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                                             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16})
+    set_rate = script.add_dropout(model, 0.5)
+    model.train()
+    ids = torch.arange(3, 35)[None]
+    assert model.config.attention_dropout == 0.5
+    assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)  # dropout is on
+    set_rate(0.0)  # e.g. the chat stage's rate, or before saving
+    assert model.config.attention_dropout == 0.0
+    assert all(layer.self_attn.attention_dropout == 0.0 for layer in model.model.layers)
+    assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)  # and now off, even training

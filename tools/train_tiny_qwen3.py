@@ -521,6 +521,7 @@ class TrainConfig:
     chat_steps: int = 0  # the last steps fill chat_fraction of each batch with conversations
     chat_fraction: float = 0.5
     dropout: float = 0.0  # on attention probabilities and on each block's output, while training only
+    chat_dropout: float | None = None  # the chat stage's dropout (None: the same as before it)
     compile: bool = False  # torch.compile the training forward (CUDA)
 
 
@@ -606,16 +607,22 @@ def mixed_batch(step: int, data: dict, cfg: TrainConfig, generator: torch.Genera
     return torch.cat([plain[0], chat[0]]), torch.cat([plain[1], chat[1]])
 
 
-def add_dropout(model: torch.nn.Module, p: float) -> None:
+def add_dropout(model: torch.nn.Module, p: float):
     """Dropout while training: on attention probabilities (the config's own field) and on the output of
-    every attention and MLP block (hooks); a saved model has neither (``attention_dropout`` reset to 0)."""
-    if p <= 0:
-        return
-    model.config.attention_dropout = p
+    every attention and MLP block (hooks). Returns ``set_rate(q)``, which changes it (0: off, as for saving)."""
+    rate = {"p": p}
+
+    def set_rate(q: float) -> None:
+        rate["p"] = model.config.attention_dropout = q
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = q
+
     for layer in model.model.layers:
-        layer.self_attn.attention_dropout = p
-        layer.self_attn.register_forward_hook(lambda m, args, out: (F.dropout(out[0], p, m.training), *out[1:]))
-        layer.mlp.register_forward_hook(lambda m, args, out: F.dropout(out, p, m.training))
+        layer.self_attn.register_forward_hook(
+            lambda m, args, out: (F.dropout(out[0], rate["p"], m.training), *out[1:]))
+        layer.mlp.register_forward_hook(lambda m, args, out: F.dropout(out, rate["p"], m.training))
+    set_rate(p)
+    return set_rate
 
 
 def autocast(device: torch.device):
@@ -637,7 +644,7 @@ def train_model(model: torch.nn.Module, data: dict, cfg: TrainConfig, device: to
     seed_everything(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
     optimizer = make_optimizer(model, cfg, device)
-    add_dropout(model, cfg.dropout)
+    set_dropout = add_dropout(model, cfg.dropout)
     model.train()
     forward = torch.compile(model) if cfg.compile else model
     heldout = data["heldout"]
@@ -646,6 +653,8 @@ def train_model(model: torch.nn.Module, data: dict, cfg: TrainConfig, device: to
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
+        if step == cfg.steps - cfg.chat_steps and cfg.chat_dropout is not None:
+            set_dropout(cfg.chat_dropout)
         inputs, targets = mixed_batch(step, data, cfg, generator)
         with autocast(device):
             loss = next_token_loss(forward, inputs, targets)
@@ -669,9 +678,7 @@ def train_model(model: torch.nn.Module, data: dict, cfg: TrainConfig, device: to
             print(f"step {step + 1:5d}  held-out CE {ce:.4f} (first {64 * cfg.seq_len} tokens)", flush=True)
             model.train()
     print(f"trained {cfg.steps} steps in {time.time() - t_start:.0f}s")
-    model.config.attention_dropout = 0.0
-    for layer in model.model.layers:
-        layer.self_attn.attention_dropout = 0.0
+    set_dropout(0.0)
 
 
 # --------------------------------------------------------------------------
@@ -866,7 +873,7 @@ Made by `tools/train_tiny_qwen3.py` (see its docstring); do not edit by hand.
   {meta['heldout']['files']} files held out by path hash ({meta['heldout']['tokens']:,} tokens);
   {meta['chat']['conversations']:,} conversations from the train files' documented definitions.
 - Training: seed {cfg.seed}, {cfg.steps} steps x batch {cfg.batch_size} x {cfg.seq_len} tokens
-  (the last {cfg.chat_steps} with {cfg.chat_fraction:.0%} conversations), dropout {cfg.dropout:g},
+  (the last {cfg.chat_steps} with {cfg.chat_fraction:.0%} conversations), dropout {cfg.dropout:g}{'' if cfg.chat_dropout is None else f' ({cfg.chat_dropout:g} in the chat stage)'},
   AdamW lr {cfg.lr:g} (warmup {cfg.warmup_steps}, cosine to {cfg.min_lr_ratio:g}x), {device.type},
   torch {torch.__version__}, transformers {transformers.__version__}.
 - Held-out cross-entropy, nats/token over {result['eval_tokens']:,} tokens (bf16 weights run in float32):
@@ -882,7 +889,7 @@ Rebuild:
 python tools/train_tiny_qwen3.py prepare --build build/tiny
 python tools/train_tiny_qwen3.py train --build build/tiny --out minivllm/data/tiny-qwen3 \\
     --device {device.type} --steps {cfg.steps} --batch-size {cfg.batch_size} --lr {cfg.lr:g} \\
-    --chat-steps {cfg.chat_steps} --chat-fraction {cfg.chat_fraction:g} --dropout {cfg.dropout:g}{' --compile' if cfg.compile else ''}
+    --chat-steps {cfg.chat_steps} --chat-fraction {cfg.chat_fraction:g} --dropout {cfg.dropout:g}{'' if cfg.chat_dropout is None else f' --chat-dropout {cfg.chat_dropout:g}'}{' --compile' if cfg.compile else ''}
 ```
 """
     (out / "README.md").write_text(card)
@@ -941,6 +948,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("--chat-steps", type=int, default=defaults.chat_steps, help="last steps that mix in chats")
         p.add_argument("--chat-fraction", type=float, default=defaults.chat_fraction)
         p.add_argument("--dropout", type=float, default=defaults.dropout)
+        p.add_argument("--chat-dropout", type=float, default=None, help="dropout in the chat stage (default: same)")
         p.add_argument("--compile", action="store_true", help="torch.compile the training forward")
         p.add_argument("--model-config", type=json.loads, default=None,
                        help="JSON object overriding MODEL_CONFIG's fields (for experiments)")
@@ -977,6 +985,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         chat_steps=min(args.chat_steps, args.steps),
         chat_fraction=args.chat_fraction,
         dropout=args.dropout,
+        chat_dropout=args.chat_dropout,
         compile=args.compile,
     )
 
