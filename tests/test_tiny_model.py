@@ -27,7 +27,7 @@ from safetensors import safe_open  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-MAX_FOLDER_BYTES = 16 * 1024 * 1024
+MAX_FOLDER_BYTES = 32 * 1024 * 1024  # issue 18: the embedded model stays within 32 MB
 REQUIRED_FILES = (
     "config.json",
     "model.safetensors",
@@ -113,7 +113,8 @@ def test_config_keeps_what_makes_qwen3_qwen3(config: dict) -> None:
 def test_model_loads_offline_with_tied_embeddings(model, config: dict) -> None:
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert model.generation_config.eos_token_id == config["eos_token_id"]
+    eos = model.generation_config.eos_token_id  # one id, or a list (a chat model also stops at <|im_end|>)
+    assert config["eos_token_id"] in (eos if isinstance(eos, list) else [eos])
 
 
 def test_tokenizer_special_tokens(tokenizer, config: dict) -> None:
