@@ -10,6 +10,9 @@ themselves (engines, sequences, requests, KV caches) are made after the freeze: 
 from __future__ import annotations
 
 import gc
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +44,14 @@ def rank_pool(_rank_pools):
     if not _rank_pools or not _rank_pools[-1].alive:
         _rank_pools.append(RankPool())
     return _rank_pools[-1]
+
+
+@pytest.fixture(scope="session")
+def train_script():
+    "`tools/train_tiny_qwen3.py` (the script that makes the embedded model), imported once."
+    path = Path(__file__).resolve().parents[1] / "tools" / "train_tiny_qwen3.py"
+    spec = importlib.util.spec_from_file_location("train_tiny_qwen3", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses need the module registered
+    spec.loader.exec_module(module)
+    return module

@@ -11,12 +11,9 @@ the training split).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
-from types import ModuleType
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -26,7 +23,6 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 MAX_FOLDER_BYTES = 32 * 1024 * 1024  # issue 18: the embedded model stays within 32 MB
 REQUIRED_FILES = (
     "config.json",
@@ -47,16 +43,6 @@ def greet(name: str) -> str:
     if not name:\r\n        raise ValueError("empty")  # 🐍
     return f"Hello, {name}!" * 2
 '''
-
-
-def _load_build_script() -> ModuleType:
-    """Import ``tools/train_tiny_qwen3.py`` (for the corpus / held-out helpers)."""
-    path = REPO_ROOT / "tools" / "train_tiny_qwen3.py"
-    spec = importlib.util.spec_from_file_location("train_tiny_qwen3", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses need the module registered
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +142,8 @@ def test_greedy_generation_runs(model, tokenizer) -> None:
     assert out.shape[0] == 1 and inputs["input_ids"].shape[1] < out.shape[1] <= inputs["input_ids"].shape[1] + 8
 
 
-def test_heldout_cross_entropy_beats_unigram(model, tokenizer) -> None:
-    build_script = _load_build_script()
-    text = build_script.read_corpus("heldout", max_chars=EVAL_TOKENS * 8)
+def test_heldout_cross_entropy_beats_unigram(model, tokenizer, train_script) -> None:
+    text = train_script.read_corpus("heldout", max_chars=EVAL_TOKENS * 8)
     ids = torch.tensor(tokenizer(text, verbose=False)["input_ids"][:EVAL_TOKENS])
     assert len(ids) == EVAL_TOKENS
     windows = ids.view(-1, WINDOW)

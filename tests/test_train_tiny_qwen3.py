@@ -7,15 +7,11 @@ name asked for), the masked chat windows, bits per byte, and the held-out reques
 from __future__ import annotations
 
 import ast
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 SOURCE = '''"""A module."""
 import os
@@ -46,16 +42,6 @@ class Box(dict):
 
 
 @pytest.fixture(scope="module")
-def script():
-    path = REPO_ROOT / "tools" / "train_tiny_qwen3.py"
-    spec = importlib.util.spec_from_file_location("train_tiny_qwen3", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses need the module registered
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
 def tokenizer():
     from tokenizers import Tokenizer
     from minivllm.tiny_model import TINY_MODEL_PATH
@@ -63,8 +49,8 @@ def tokenizer():
     return Tokenizer.from_file(str(Path(TINY_MODEL_PATH) / "tokenizer.json"))
 
 
-def test_documented_definitions_are_found_with_their_source(script) -> None:
-    found = {d.qualname: d for d in script.documented_definitions(SOURCE, "pkg/mod.py")}
+def test_documented_definitions_are_found_with_their_source(train_script) -> None:
+    found = {d.qualname: d for d in train_script.documented_definitions(SOURCE, "pkg/mod.py")}
     assert list(found) == ["plain", "Box", "Box.put"]  # undocumented ones are skipped
     plain, box, put = found["plain"], found["Box"], found["Box.put"]
     assert (plain.kind, box.kind, put.kind) == ("function", "class", "method")
@@ -73,21 +59,21 @@ def test_documented_definitions_are_found_with_their_source(script) -> None:
     assert plain.doc == "Add two numbers."  # the first paragraph only
     assert put.source == 'def put(self, name):\n    """Put one thing in the box."""\n    self[name] = True'
     for d in found.values():  # every source is valid Python on its own, at the top level
-        assert script.defines(script.chat_answer(d), d.name)
+        assert train_script.defines(train_script.chat_answer(d), d.name)
 
 
-def test_requests_name_what_they_ask_for(script) -> None:
-    for d in script.documented_definitions(SOURCE, "pkg/mod.py"):
-        request = script.chat_request(d)
+def test_requests_name_what_they_ask_for(train_script) -> None:
+    for d in train_script.documented_definitions(SOURCE, "pkg/mod.py"):
+        request = train_script.chat_request(d)
         assert d.signature in request and d.doc in request
-        assert request == script.chat_request(d)  # the phrasing is chosen by a stable hash
-    put = script.documented_definitions(SOURCE, "pkg/mod.py")[-1]
-    assert "Box" in script.chat_request(put)  # a method names its class
+        assert request == train_script.chat_request(d)  # the phrasing is chosen by a stable hash
+    put = train_script.documented_definitions(SOURCE, "pkg/mod.py")[-1]
+    assert "Box" in train_script.chat_request(put)  # a method names its class
 
 
-def test_doc_summary_is_one_line_and_bounded(script) -> None:
-    assert script.doc_summary("Do it.\n   Carefully.\n\nNot this.") == "Do it. Carefully."
-    long = script.doc_summary("word " * 200, max_chars=50)
+def test_doc_summary_is_one_line_and_bounded(train_script) -> None:
+    assert train_script.doc_summary("Do it.\n   Carefully.\n\nNot this.") == "Do it. Carefully."
+    long = train_script.doc_summary("word " * 200, max_chars=50)
     assert len(long) <= 54 and long.endswith(" ...")
 
 
@@ -101,85 +87,85 @@ def test_doc_summary_is_one_line_and_bounded(script) -> None:
     ("```python\ndef outer():\n    def f():\n        pass\n```", "f", False),  # not at the top level
     ("```python\ndef f(x):\n    if x:\n", "f", False),                # cut off mid-body
 ])
-def test_defines(script, answer: str, name: str, expected: bool) -> None:
-    assert script.defines(answer, name) is expected
+def test_defines(train_script, answer: str, name: str, expected: bool) -> None:
+    assert train_script.defines(answer, name) is expected
 
 
-def test_chat_prompt_is_the_tokenizers_chat_template(script) -> None:
+def test_chat_prompt_is_the_tokenizers_chat_template(train_script) -> None:
     from minivllm.tiny_model import TINY_MODEL_PATH
 
-    hf_tokenizer = script.load_tokenizer(Path(TINY_MODEL_PATH))
+    hf_tokenizer = train_script.load_tokenizer(Path(TINY_MODEL_PATH))
     messages = [{"role": "user", "content": "Write `f(x)`: Return x."}]
-    assert script.chat_prompt("Write `f(x)`: Return x.") == hf_tokenizer.apply_chat_template(
+    assert train_script.chat_prompt("Write `f(x)`: Return x.") == hf_tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True)
 
 
-def test_conversations_spans_and_masked_windows(script, tokenizer) -> None:
-    definitions = script.documented_definitions(SOURCE, "pkg/mod.py")
-    chat_ids, spans = script.conversations(tokenizer, definitions)
+def test_conversations_spans_and_masked_windows(train_script, tokenizer) -> None:
+    definitions = train_script.documented_definitions(SOURCE, "pkg/mod.py")
+    chat_ids, spans = train_script.conversations(tokenizer, definitions)
     assert len(spans) == len(definitions)
     chat = torch.from_numpy(chat_ids.astype("int64"))
     for d, (start, answer, end) in zip(definitions, spans.tolist()):
         assert tokenizer.decode(chat[start:answer].tolist(), skip_special_tokens=False) == \
-            script.chat_prompt(script.chat_request(d))
+            train_script.chat_prompt(train_script.chat_request(d))
         assert tokenizer.decode(chat[answer:end].tolist(), skip_special_tokens=False) == \
-            script.chat_answer(d) + "<|im_end|>\n"
+            train_script.chat_answer(d) + "<|im_end|>\n"
         assert int(chat[end]) == tokenizer.token_to_id("<|endoftext|>")
 
-    cfg = script.TrainConfig(seq_len=64)
-    inputs, targets = script.sample_chat_batch(chat, torch.from_numpy(spans), 8, cfg, torch.Generator().manual_seed(0))
+    cfg = train_script.TrainConfig(seq_len=64)
+    inputs, targets = train_script.sample_chat_batch(chat, torch.from_numpy(spans), 8, cfg, torch.Generator().manual_seed(0))
     assert inputs.shape == targets.shape == (8, 64)
     for row_inputs, row_targets in zip(inputs, targets):
         start = next(s for s in spans.tolist() if chat[s[0]:s[0] + 64].tolist() == row_inputs.tolist())
-        kept = (row_targets != script.IGNORE).nonzero().flatten()
+        kept = (row_targets != train_script.IGNORE).nonzero().flatten()
         # targets are exactly the answer's tokens (those inside the window), each the next token of the input
         assert kept.tolist() == [j for j in range(64) if start[1] <= start[0] + j + 1 < start[2]]
         assert row_targets[kept].tolist() == chat[start[0] + 1 + kept].tolist()
 
 
-def test_conversations_longer_than_a_window_are_dropped(script, tokenizer, monkeypatch) -> None:
-    definitions = script.documented_definitions(SOURCE, "pkg/mod.py")
-    lengths = [sum(map(len, script.encode_conversation(tokenizer, d))) for d in definitions]
-    monkeypatch.setattr(script, "CHAT_MAX_TOKENS", sorted(lengths)[1])
-    _, spans = script.conversations(tokenizer, definitions)
+def test_conversations_longer_than_a_window_are_dropped(train_script, tokenizer, monkeypatch) -> None:
+    definitions = train_script.documented_definitions(SOURCE, "pkg/mod.py")
+    lengths = [sum(map(len, train_script.encode_conversation(tokenizer, d))) for d in definitions]
+    monkeypatch.setattr(train_script, "CHAT_MAX_TOKENS", sorted(lengths)[1])
+    _, spans = train_script.conversations(tokenizer, definitions)
     assert len(spans) == 2
 
 
-def test_bits_per_byte_counts_utf8_bytes(script) -> None:
+def test_bits_per_byte_counts_utf8_bytes(train_script) -> None:
     from minivllm.tiny_model import TINY_MODEL_PATH
 
-    hf_tokenizer = script.load_tokenizer(Path(TINY_MODEL_PATH))
+    hf_tokenizer = train_script.load_tokenizer(Path(TINY_MODEL_PATH))
     text = 'def salut(nom):\n    return f"« {nom} » 🐍"\n'
     ids = torch.tensor(hf_tokenizer.encode(text) + [hf_tokenizer.eos_token_id])
-    nbytes = script.token_bytes(hf_tokenizer)
+    nbytes = train_script.token_bytes(hf_tokenizer)
     assert int(nbytes[ids].sum()) == len(text.encode("utf-8"))  # the end-of-text token counts no byte
-    assert script.bits_per_byte(math.log(2), ids, nbytes) == pytest.approx(len(ids) / len(text.encode("utf-8")))
+    assert train_script.bits_per_byte(math.log(2), ids, nbytes) == pytest.approx(len(ids) / len(text.encode("utf-8")))
 
 
-def test_heldout_requests_come_from_heldout_files_only(script, tokenizer) -> None:
-    requests = script.heldout_requests(tokenizer)
-    assert len(requests) == script.CHAT_EVAL_REQUESTS
-    assert all(script.split_of(r["path"]) == "heldout" for r in requests)
+def test_heldout_requests_come_from_heldout_files_only(train_script, tokenizer) -> None:
+    requests = train_script.heldout_requests(tokenizer)
+    assert len(requests) == train_script.CHAT_EVAL_REQUESTS
+    assert all(train_script.split_of(r["path"]) == "heldout" for r in requests)
     assert len({(r["path"], r["qualname"]) for r in requests}) == len(requests)
     for r in requests[:10]:
-        source = (script.stdlib_root() / r["path"]).read_text(encoding="utf-8")
+        source = (train_script.stdlib_root() / r["path"]).read_text(encoding="utf-8")
         names = {n.name for n in ast.walk(ast.parse(source)) if hasattr(n, "name")}
         assert r["name"] in names and r["name"] in r["request"]
 
 
-def test_training_mixes_conversations_in_and_leaves_no_dropout_behind(script, tokenizer) -> None:
-    chat_ids, spans = script.conversations(tokenizer, script.documented_definitions(SOURCE, "pkg/mod.py"))
+def test_training_mixes_conversations_in_and_leaves_no_dropout_behind(train_script, tokenizer) -> None:
+    chat_ids, spans = train_script.conversations(tokenizer, train_script.documented_definitions(SOURCE, "pkg/mod.py"))
     data = {"train": torch.randint(3, 4096, (2048,), generator=torch.Generator().manual_seed(0)),
             "heldout": torch.randint(3, 4096, (256,), generator=torch.Generator().manual_seed(1)),
             "chat": torch.from_numpy(chat_ids.astype("int64")), "spans": torch.from_numpy(spans)}
-    cfg = script.TrainConfig(steps=4, batch_size=4, seq_len=32, chat_steps=2, dropout=0.3, log_every=2, eval_every=0,
+    cfg = train_script.TrainConfig(steps=4, batch_size=4, seq_len=32, chat_steps=2, dropout=0.3, log_every=2, eval_every=0,
                              warmup_steps=1)
-    batch = script.mixed_batch(3, data, cfg, torch.Generator().manual_seed(0))
-    assert (batch[1][:2] != script.IGNORE).all() and (batch[1][2:] == script.IGNORE).any()  # plain rows, chat rows
-    model = script.build_model(0, overrides={"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+    batch = train_script.mixed_batch(3, data, cfg, torch.Generator().manual_seed(0))
+    assert (batch[1][:2] != train_script.IGNORE).all() and (batch[1][2:] == train_script.IGNORE).any()  # plain rows, chat rows
+    model = train_script.build_model(0, overrides={"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
                                              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16})
     before = [p.detach().clone() for p in model.parameters()]
-    script.train_model(model, data, cfg, torch.device("cpu"))
+    train_script.train_model(model, data, cfg, torch.device("cpu"))
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert model.config.attention_dropout == 0.0
     model.eval()
@@ -188,10 +174,10 @@ def test_training_mixes_conversations_in_and_leaves_no_dropout_behind(script, to
         assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)  # no dropout in eval
 
 
-def test_dropout_rate_can_change_and_turn_off(script) -> None:
-    model = script.build_model(0, overrides={"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+def test_dropout_rate_can_change_and_turn_off(train_script) -> None:
+    model = train_script.build_model(0, overrides={"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
                                              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16})
-    set_rate = script.add_dropout(model, 0.5)
+    set_rate = train_script.add_dropout(model, 0.5)
     model.train()
     ids = torch.arange(3, 35)[None]
     assert model.config.attention_dropout == 0.5

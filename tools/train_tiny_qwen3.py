@@ -760,9 +760,9 @@ def load_ids(path: Path) -> torch.Tensor:
     return torch.from_numpy(np.load(path).astype(np.int64))
 
 
-def evaluate(model_dir: Path, build: Path, max_tokens: int | None = None, answer_device: str | None = "cpu") -> dict:
+def evaluate(model_dir: Path, build: Path, max_tokens: int | None = None, answer_device: str = "cpu") -> dict:
     """Held-out CE and bits per byte of the saved model (float32) vs the unigram baselines, and the share of
-    held-out requests its greedy answer fulfils (through minivllm on ``answer_device``; None skips it)."""
+    held-out requests its greedy answer fulfils (through minivllm on ``answer_device``; "none" skips it)."""
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if answer_device == "cuda" else "cpu"
@@ -788,7 +788,7 @@ def evaluate(model_dir: Path, build: Path, max_tokens: int | None = None, answer
         f"ratio {result['ratio_to_unigram_heldout']:.3f} (test needs <= 0.6)"
     )
     print(f"held-out bits per byte {result['bits_per_byte']:.4f}")
-    if answer_device:
+    if answer_device != "none":
         requests = json.loads((build / CHAT_HELDOUT).read_text())
         start = time.time()
         answers = answer_requests(model_dir, requests, answer_device)
@@ -913,8 +913,7 @@ def train(build: Path, out: Path, device_name: str, cfg: TrainConfig, eval_token
           f"{len(data['spans']):,} conversations; {asdict(cfg)}")
     train_model(model, data, cfg, device)
     save_model(model.cpu(), tokenizer, out)
-    answers_on = device.type if answers_on is None else None if answers_on == "none" else answers_on
-    result = evaluate(out, build, eval_tokens, answers_on)
+    result = evaluate(out, build, eval_tokens, answers_on or device.type)
     (out.parent / f"{out.name}.eval.json").write_text(json.dumps(result, indent=1) + "\n")
     write_model_card(out, meta, cfg, device, result, n_params, model.config.to_dict())
     print(f"saved {out} ({folder_size(out) / 1e6:.2f} MB)")
@@ -990,12 +989,6 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-def answer_device(args: argparse.Namespace, default: str) -> str | None:
-    """--answer-device, with ``none`` as None (skip the requests)."""
-    name = args.answer_device or default
-    return None if name == "none" else name
-
-
 def main(argv: list[str] | None = None) -> None:
     """Run the chosen subcommand."""
     args = parse_args(argv)
@@ -1005,7 +998,7 @@ def main(argv: list[str] | None = None) -> None:
         train(args.build, args.out, args.device, train_config(args), args.eval_tokens, args.model_config,
               args.answer_device)
     if args.command == "eval":
-        result = evaluate(args.model, args.build, args.eval_tokens, answer_device(args, "cpu"))
+        result = evaluate(args.model, args.build, args.eval_tokens, args.answer_device or "cpu")
         if args.json:
             args.json.write_text(json.dumps(result, indent=1) + "\n")
 
