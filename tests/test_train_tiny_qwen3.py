@@ -174,6 +174,24 @@ def test_training_mixes_conversations_in_and_leaves_no_dropout_behind(train_scri
         assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)  # no dropout in eval
 
 
+def test_ema_saves_the_moving_average_of_the_weights(train_script, capsys) -> None:
+    data = {"train": torch.randint(3, 4096, (2048,), generator=torch.Generator().manual_seed(0)),
+            "heldout": torch.randint(3, 4096, (256,), generator=torch.Generator().manual_seed(1))}
+    small = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 16}
+    runs = {}
+    for decay in (0.0, 0.25):
+        cfg = train_script.TrainConfig(steps=1, batch_size=2, seq_len=32, log_every=1, eval_every=0, warmup_steps=1,
+                                       ema=decay)
+        model = train_script.build_model(0, overrides=small)
+        runs[decay] = ([p.detach().clone() for p in model.parameters()], model)
+        train_script.train_model(model, data, cfg, torch.device("cpu"))
+    (start, last), (_, averaged) = runs[0.0], runs[0.25]
+    for p0, p1, pa in zip(start, last.parameters(), averaged.parameters()):  # one step: 0.25 start + 0.75 last
+        torch.testing.assert_close(pa, 0.25 * p0 + 0.75 * p1)
+    assert "moving average" in capsys.readouterr().out
+
+
 def test_dropout_rate_can_change_and_turn_off(train_script) -> None:
     model = train_script.build_model(0, overrides={"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
                                              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16})

@@ -43,7 +43,8 @@ text.  This script makes one from scratch, offline, in three steps:
     regularizes (on attention probabilities and on each block's output, while
     training only).  The last ``chat_steps`` steps are the chat stage: half of
     each batch are windows that start at a conversation and train on its
-    answer tokens only.  Writes a Hugging Face folder (bf16 weights,
+    answer tokens only.  Optionally (``--ema``) the saved weights are a moving
+    average of the trained ones.  Writes a Hugging Face folder (bf16 weights,
     tokenizer, chat template, a generation config that also stops at
     ``<|im_end|>``, model card) and its evaluation as ``<out>.eval.json``.
 
@@ -526,6 +527,7 @@ class TrainConfig:
     dropout: float = 0.3  # on attention probabilities and on each block's output, while training only
     chat_dropout: float | None = None  # the chat stage's dropout (None: the same as before it)
     compile: bool = False  # torch.compile the training forward (CUDA)
+    ema: float = 0.0  # > 0: save an exponential moving average of the weights with this decay (0: the last weights)
 
 
 def seed_everything(seed: int) -> None:
@@ -653,6 +655,7 @@ def train_model(model: torch.nn.Module, data: dict, cfg: TrainConfig, device: to
     forward = torch.compile(model) if cfg.compile else model
     heldout = data["heldout"]
     tokens_per_step = cfg.batch_size * cfg.seq_len
+    ema = [p.detach().clone() for p in model.parameters()] if cfg.ema else None
     running, t_log, t_start = 0.0, time.time(), time.time()
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
@@ -666,6 +669,10 @@ def train_model(model: torch.nn.Module, data: dict, cfg: TrainConfig, device: to
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if ema is not None:
+            with torch.no_grad():
+                for average, p in zip(ema, model.parameters()):
+                    average.lerp_(p, 1 - cfg.ema)
         running += loss.detach()
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             n = (step % cfg.log_every) + 1
@@ -684,7 +691,21 @@ def train_model(model: torch.nn.Module, data: dict, cfg: TrainConfig, device: to
     seconds = time.time() - t_start
     print(f"trained {cfg.steps} steps in {seconds:.0f}s")
     set_dropout(0.0)
+    if ema is not None:
+        use_average(model, ema, heldout[: 64 * cfg.seq_len], device, cfg.seq_len)
     return seconds
+
+
+def use_average(model: torch.nn.Module, ema: list[torch.Tensor], heldout: torch.Tensor, device: torch.device,
+                window: int = SEQ_LEN) -> None:
+    """Replace the model's weights by their moving average, printing the held-out CE of both."""
+    with autocast(device):
+        last = model_cross_entropy(model, heldout, window)
+        with torch.no_grad():
+            for p, average in zip(model.parameters(), ema):
+                p.copy_(average)
+        averaged = model_cross_entropy(model, heldout, window)
+    print(f"held-out CE (first {len(heldout)} tokens): last weights {last:.4f}, moving average {averaged:.4f} (saved)")
 
 
 # --------------------------------------------------------------------------
@@ -901,7 +922,7 @@ Made by `tools/train_tiny_qwen3.py` (see its docstring); do not edit by hand.
   {meta['chat']['conversations']:,} conversations from the train files' documented definitions.
 - Training: seed {cfg.seed}, {cfg.steps} steps x batch {cfg.batch_size} x {cfg.seq_len} tokens
   (the last {cfg.chat_steps} with {cfg.chat_fraction:.0%} conversations), dropout {cfg.dropout:g}{'' if cfg.chat_dropout is None else f' ({cfg.chat_dropout:g} in the chat stage)'},
-  AdamW lr {cfg.lr:g} (warmup {cfg.warmup_steps}, cosine to {cfg.min_lr_ratio:g}x), {'torch.compile, ' if cfg.compile else ''}on
+  AdamW lr {cfg.lr:g} (warmup {cfg.warmup_steps}, cosine to {cfg.min_lr_ratio:g}x), {f'saved as a moving average of the weights (decay {cfg.ema:g}), ' if cfg.ema else ''}{'torch.compile, ' if cfg.compile else ''}on
   {environment}: {seconds:.0f} s.
 - Held-out cross-entropy, nats/token over {result['eval_tokens']:,} tokens (bf16 weights run in float32):
   model **{result['model_ce']:.3f}**; unigram from train counts with add-one smoothing
@@ -916,7 +937,7 @@ Rebuild:
 python tools/train_tiny_qwen3.py prepare --build build/tiny
 python tools/train_tiny_qwen3.py train --build build/tiny --out minivllm/data/tiny-qwen3 \\
     --device {device.type} --steps {cfg.steps} --batch-size {cfg.batch_size} --lr {cfg.lr:g} \\
-    --chat-steps {cfg.chat_steps} --chat-fraction {cfg.chat_fraction:g} --dropout {cfg.dropout:g}{'' if cfg.chat_dropout is None else f' --chat-dropout {cfg.chat_dropout:g}'}{' --compile' if cfg.compile else ''}
+    --chat-steps {cfg.chat_steps} --chat-fraction {cfg.chat_fraction:g} --dropout {cfg.dropout:g}{'' if cfg.chat_dropout is None else f' --chat-dropout {cfg.chat_dropout:g}'}{f' --ema {cfg.ema:g}' if cfg.ema else ''}{'' if cfg.min_lr_ratio == TrainConfig.min_lr_ratio else f' --min-lr-ratio {cfg.min_lr_ratio:g}'}{' --compile' if cfg.compile else ''}
 ```
 """
     (out / "README.md").write_text(card)
@@ -977,6 +998,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("--dropout", type=float, default=defaults.dropout)
         p.add_argument("--chat-dropout", type=float, default=None, help="dropout in the chat stage (default: same)")
         p.add_argument("--compile", action="store_true", help="torch.compile the training forward")
+        p.add_argument("--ema", type=float, default=defaults.ema,
+                       help="save a moving average of the weights with this decay, e.g. 0.999 (0: the last weights)")
+        p.add_argument("--min-lr-ratio", type=float, default=defaults.min_lr_ratio,
+                       help="the cosine schedule ends at lr x this")
         p.add_argument("--model-config", type=json.loads, default=None,
                        help="JSON object overriding MODEL_CONFIG's fields (for experiments)")
 
@@ -1014,6 +1039,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         dropout=args.dropout,
         chat_dropout=args.chat_dropout,
         compile=args.compile,
+        ema=args.ema,
+        min_lr_ratio=args.min_lr_ratio,
     )
 
 
