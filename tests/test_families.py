@@ -151,6 +151,30 @@ def test_dummy_weights_need_only_a_config_and_are_seeded(tmp_path):
         LLM(str(tmp_path), load_format="npz")
 
 
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_dummy_weights_are_a_random_checkpoint_loaded(name, tmp_path):
+    """load_format='dummy' equals writing dummy_checkpoint's tensors to disk and loading them, on every rank of TP=2;
+    and transformers loads that checkpoint with no tensor missing or left over."""
+    from safetensors.torch import save_file
+
+    from minivllm.models.loader import dummy_checkpoint
+    from minivllm.models.registry import model_spec
+
+    config = FAMILIES[name]()
+    config.save_pretrained(tmp_path)
+    cfg = load_config(tmp_path)
+    spec = model_spec(cfg)
+    save_file(dict(dummy_checkpoint(spec.model_class(cfg, TPGroup()), spec.weight_mapping(cfg), seed=5)),
+              tmp_path / "model.safetensors")
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    for tp in (TPGroup(), TPGroup(0, 2), TPGroup(1, 2)):
+        dummy = build_model(cfg, tmp_path, torch.float32, torch.device("cpu"), tp, load_format="dummy", seed=5)
+        loaded = build_model(cfg, tmp_path, torch.float32, torch.device("cpu"), tp)
+        for (key, a), b in zip(dummy.state_dict().items(), loaded.state_dict().values()):
+            assert torch.equal(a, b), (tp, key)
+
+
 def test_unknown_family_lists_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(ValueError, match=re.escape("type 'mamba'; minivllm runs qwen3, qwen2, llama, qwen3_moe")):

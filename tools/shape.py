@@ -26,6 +26,8 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "issue 19, more families: Qwen2/2.5, Llama 3 (its rotary scaling), Qwen3-MoE (router, experts, the fused Triton "
     "kernel with its reference), the decoder's traits, the experts' loader mapping, dummy weights": 397,
     "issue 17 (part), an 8-bit KV cache: kv_cache_dtype, the rounding store, the kernels' 8-bit reads": 31,
+    "issue 17 (part), dummy weights as a random checkpoint: each layer's checkpoint_shape (also what its loader "
+    "checks), dummy_checkpoint (whole tensors seeded by name, so every tensor-parallel size gets the same model)": 35,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

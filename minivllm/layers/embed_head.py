@@ -23,9 +23,12 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim))
         self.weight.weight_loader = self.weight_loader
 
+    def checkpoint_shape(self, param: nn.Parameter, shard_id=None) -> tuple[int, ...]:
+        return (self.num_embeddings, self.embedding_dim)
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         no_shard_id(self, shard_id)
-        check_shape(loaded_weight, (self.num_embeddings, self.embedding_dim))
+        check_shape(loaded_weight, self.checkpoint_shape(param))
         n = self.vocab_end_idx - self.vocab_start_idx
         param.data[:n].copy_(loaded_weight[self.vocab_start_idx:self.vocab_end_idx])
         param.data[n:].zero_()  # padding rows of the last rank

@@ -35,6 +35,10 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def checkpoint_shape(self, param: nn.Parameter, shard_id=None) -> tuple[int, ...]:
+        "The shape of the checkpoint tensor that fills `param` (its part `shard_id`): whole, before any split."
+        return tuple(param.shape)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
@@ -55,7 +59,7 @@ class ReplicatedLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         no_shard_id(self, shard_id)
-        check_shape(loaded_weight, param.shape)
+        check_shape(loaded_weight, self.checkpoint_shape(param))
         param.data.copy_(loaded_weight)
 
 
@@ -65,10 +69,13 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False, *, tp: TPGroup = SINGLE):
         super().__init__(input_size, divide(output_size, tp.size, "output_size"), bias, 0, tp)
 
+    def checkpoint_shape(self, param: nn.Parameter, shard_id=None) -> tuple[int, ...]:
+        return (param.shape[0] * self.tp.size, *param.shape[1:])
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         no_shard_id(self, shard_id)
+        check_shape(loaded_weight, self.checkpoint_shape(param))
         shard = param.shape[0]
-        check_shape(loaded_weight, (shard * self.tp.size, *param.shape[1:]))
         param.data.copy_(loaded_weight.narrow(0, self.tp.rank * shard, shard))
 
 # %% ../../notebooks/04_layers.ipynb #7df0856c
@@ -81,11 +88,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, tp=tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None) -> None:
+    def checkpoint_shape(self, param: nn.Parameter, shard_id: int | None = None) -> tuple[int, ...]:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be an index into output_sizes {self.output_sizes}, got {shard_id!r}")
+        return (self.output_sizes[shard_id], *param.shape[1:])
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None) -> None:
+        check_shape(loaded_weight, self.checkpoint_shape(param, shard_id))
         full = self.output_sizes[shard_id]
-        check_shape(loaded_weight, (full, *param.shape[1:]))
         shard, offset = full // self.tp.size, sum(self.output_sizes[:shard_id]) // self.tp.size
         param.data.narrow(0, offset, shard).copy_(loaded_weight.narrow(0, self.tp.rank * shard, shard))
 
@@ -105,16 +115,20 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads, self.kv_replicas = divide(total_num_kv_heads, tp.size, "num_key_value_heads"), 1
         super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_size * tp.size, bias, tp=tp)
 
+    def checkpoint_shape(self, param: nn.Parameter, shard_id: str | None = None) -> tuple[int, ...]:
+        if shard_id not in ("q", "k", "v"):
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        return (heads * self.head_size, *param.shape[1:])
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None) -> None:
+        check_shape(loaded_weight, self.checkpoint_shape(param, shard_id))
         q, kv = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         if shard_id == "q":
-            offset, shard, first_head, total = 0, q, self.tp.rank * self.num_heads, self.total_num_heads
-        elif shard_id in ("k", "v"):
-            offset, shard = q if shard_id == "k" else q + kv, kv
-            first_head, total = self.tp.rank // self.kv_replicas * self.num_kv_heads, self.total_num_kv_heads
+            offset, shard, first_head = 0, q, self.tp.rank * self.num_heads
         else:
-            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        check_shape(loaded_weight, (total * self.head_size, *param.shape[1:]))
+            offset, shard = q if shard_id == "k" else q + kv, kv
+            first_head = self.tp.rank // self.kv_replicas * self.num_kv_heads
         param.data.narrow(0, offset, shard).copy_(loaded_weight.narrow(0, first_head * self.head_size, shard))
 
 # %% ../../notebooks/04_layers.ipynb #0c54c4bb
@@ -124,14 +138,16 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False, *, tp: TPGroup = SINGLE):
         super().__init__(divide(input_size, tp.size, "input_size"), output_size, bias, 1, tp)
 
+    def checkpoint_shape(self, param: nn.Parameter, shard_id=None) -> tuple[int, ...]:
+        return tuple(param.shape) if param.dim() == 1 else (param.shape[0], param.shape[1] * self.tp.size)
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         no_shard_id(self, shard_id)
+        check_shape(loaded_weight, self.checkpoint_shape(param))
         if param.dim() == 1:  # the bias is not split
-            check_shape(loaded_weight, param.shape)
             param.data.copy_(loaded_weight)
             return
         shard = param.shape[1]
-        check_shape(loaded_weight, (param.shape[0], shard * self.tp.size))
         param.data.copy_(loaded_weight.narrow(1, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -38,17 +38,21 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate))
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
-        "Copy expert `e`'s `gate_proj`, `up_proj` or `down_proj` (its rank's rows, or columns for down) into place."
+    def checkpoint_shape(self, param: nn.Parameter, shard_id: tuple[int, str]) -> tuple[int, int]:
+        "One expert's whole `gate_proj` or `up_proj` (`[intermediate, hidden]`), or `down_proj` (transposed)."
         e, part = shard_id
         if not 0 <= e < self.num_experts or part not in ("gate_proj", "up_proj", "down_proj"):
             raise ValueError(f"no expert part {shard_id!r} among {self.num_experts} experts")
-        n, rank = self.intermediate, self.tp.rank
+        n = self.intermediate * self.tp.size
+        return (param.shape[1], n) if part == "down_proj" else (n, param.shape[2])
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        "Copy expert `e`'s `gate_proj`, `up_proj` or `down_proj` (its rank's rows, or columns for down) into place."
+        check_shape(loaded, self.checkpoint_shape(param, shard_id))
+        (e, part), n, rank = shard_id, self.intermediate, self.tp.rank
         if part == "down_proj":
-            check_shape(loaded, (param.shape[1], n * self.tp.size))
             param.data[e].copy_(loaded.narrow(1, rank * n, n))
         else:
-            check_shape(loaded, (n * self.tp.size, param.shape[2]))
             param.data[e].narrow(0, 0 if part == "gate_proj" else n, n).copy_(loaded.narrow(0, rank * n, n))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

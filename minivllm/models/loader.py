@@ -3,6 +3,7 @@
 # %% ../../notebooks/08_qwen3.ipynb #5747511d
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -28,7 +29,7 @@ def safetensors_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 # %% auto #0
 __all__ = ['safetensors_weights', 'packed_name', 'checkpoint_names', 'default_weight_loader', 'load_weights', 'load_model',
-           'dummy_weights_']
+           'dummy_checkpoint', 'dummy_weights_']
 
 # %% ../../notebooks/08_qwen3.ipynb #d2b78a29
 def packed_name(name: str, mapping: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:
@@ -90,17 +91,28 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
 def load_model(model: nn.Module, path: str | Path, mapping: dict[str, tuple[str, str | int]]) -> nn.Module:
     return load_weights(model, safetensors_weights(path), mapping)
 
-
-def dummy_weights_(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
-    "vLLM's `load_format='dummy'`: every parameter filled in place on its device (norms 1, biases 0, else N(0, std))."
-    gens: dict[torch.device, torch.Generator] = {}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            gen = gens.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
+# %% ../../notebooks/08_qwen3.ipynb #393453d5
+def dummy_checkpoint(model: nn.Module, mapping: dict[str, tuple[str, str | int]], seed: int = 0,
+                     std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+    "The `(name, tensor)`s of a random checkpoint for `model`: whole tensors, each seeded by its name, on its device."
+    owner = {f"{prefix}.{name}".lstrip("."): module for prefix, module in model.named_modules()
+             for name, _ in module.named_parameters(recurse=False)}
+    for param_name, param in model.named_parameters():
+        shape_of = getattr(owner[param_name], "checkpoint_shape", lambda p, shard_id=None: tuple(p.shape))
+        for shard_id, name in checkpoint_names(param_name, mapping).items():
+            tensor = torch.empty(shape_of(param, shard_id), dtype=param.dtype, device=param.device)
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                tensor.fill_(1.0)
             elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, std, generator=gen)
-    return model
+                tensor.zero_()
+            else:   # crc32, not hash(): the same seed in every process
+                gen = torch.Generator(param.device).manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+                tensor.normal_(0.0, std, generator=gen)
+            yield name, tensor
+
+
+def dummy_weights_(model: nn.Module, mapping: dict[str, tuple[str, str | int]], seed: int = 0,
+                   std: float = 0.02) -> nn.Module:
+    "vLLM's `load_format='dummy'`: `model` loaded from `dummy_checkpoint` (made on its device, nothing read)."
+    with torch.no_grad():
+        return load_weights(model, dummy_checkpoint(model, mapping, seed, std), mapping)

@@ -78,5 +78,5 @@ def build_model(hf_config: PretrainedConfig, path: str | Path, dtype: torch.dtyp
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
-        return dummy_weights_(model, seed).eval()
+        return dummy_weights_(model, spec.weight_mapping(hf_config), seed).eval()
     return load_model(model, path, spec.weight_mapping(hf_config)).eval()
