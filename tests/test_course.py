@@ -52,3 +52,22 @@ def test_players_show_their_controls_before_the_kernel_runs():
         state = nb["metadata"].get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
         missing = [view for view in views if view not in state]
         assert not missing, f"{path.name}: widget views without stored state: {missing}"
+
+
+def test_gpu_cells_can_be_rerun_after_the_cpu_cells_they_build_on(tmp_path):
+    "tools/run_gpu_cells.py --setup: the CPU cells named run first, in the namespace the GPU cells then share."
+    import subprocess
+    import sys
+
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("x = 41\nprint('setup')"), nbformat.v4.new_code_cell("y = 0"),
+                nbformat.v4.new_code_cell("#| gpu\nprint('answer', x + 1)")]
+    path, out = tmp_path / "nb.ipynb", tmp_path / "cells.json"
+    nbformat.write(nb, path)
+    tool = [sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "run_gpu_cells.py"), str(path)]
+    subprocess.run([*tool, "--setup", "x = 41", "--out", str(out)], check=True, capture_output=True, timeout=120)
+    assert json.loads(out.read_text()) == [{"source": "#| gpu\nprint('answer', x + 1)", "text": "answer 42\n"}]
+    subprocess.run([*tool, "--merge", str(out)], check=True, capture_output=True, timeout=120)
+    assert nbformat.read(path, as_version=4).cells[2].outputs[0].text == "answer 42\n"
