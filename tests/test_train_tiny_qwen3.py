@@ -41,6 +41,10 @@ class Box(dict):
 '''
 
 
+SMALL_MODEL = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+               "num_key_value_heads": 1, "head_dim": 16}  # overrides of the script's MODEL_CONFIG for quick runs
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from tokenizers import Tokenizer
@@ -113,7 +117,8 @@ def test_conversations_spans_and_masked_windows(train_script, tokenizer) -> None
         assert int(chat[end]) == tokenizer.token_to_id("<|endoftext|>")
 
     cfg = train_script.TrainConfig(seq_len=64)
-    inputs, targets = train_script.sample_chat_batch(chat, torch.from_numpy(spans), 8, cfg, torch.Generator().manual_seed(0))
+    inputs, targets = train_script.sample_chat_batch(chat, torch.from_numpy(spans), 8, cfg,
+                                                     torch.Generator().manual_seed(0))
     assert inputs.shape == targets.shape == (8, 64)
     for row_inputs, row_targets in zip(inputs, targets):
         start = next(s for s in spans.tolist() if chat[s[0]:s[0] + 64].tolist() == row_inputs.tolist())
@@ -158,12 +163,12 @@ def test_training_mixes_conversations_in_and_leaves_no_dropout_behind(train_scri
     data = {"train": torch.randint(3, 4096, (2048,), generator=torch.Generator().manual_seed(0)),
             "heldout": torch.randint(3, 4096, (256,), generator=torch.Generator().manual_seed(1)),
             "chat": torch.from_numpy(chat_ids.astype("int64")), "spans": torch.from_numpy(spans)}
-    cfg = train_script.TrainConfig(steps=4, batch_size=4, seq_len=32, chat_steps=2, dropout=0.3, log_every=2, eval_every=0,
-                             warmup_steps=1)
+    cfg = train_script.TrainConfig(steps=4, batch_size=4, seq_len=32, chat_steps=2, dropout=0.3, log_every=2,
+                                   eval_every=0, warmup_steps=1)
     batch = train_script.mixed_batch(3, data, cfg, torch.Generator().manual_seed(0))
-    assert (batch[1][:2] != train_script.IGNORE).all() and (batch[1][2:] == train_script.IGNORE).any()  # plain rows, chat rows
-    model = train_script.build_model(0, overrides={"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
-                                             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16})
+    ignore = train_script.IGNORE
+    assert (batch[1][:2] != ignore).all() and (batch[1][2:] == ignore).any()  # plain rows, chat rows
+    model = train_script.build_model(0, overrides=SMALL_MODEL)
     before = [p.detach().clone() for p in model.parameters()]
     train_script.train_model(model, data, cfg, torch.device("cpu"))
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -177,13 +182,11 @@ def test_training_mixes_conversations_in_and_leaves_no_dropout_behind(train_scri
 def test_ema_saves_the_moving_average_of_the_weights(train_script, capsys) -> None:
     data = {"train": torch.randint(3, 4096, (2048,), generator=torch.Generator().manual_seed(0)),
             "heldout": torch.randint(3, 4096, (256,), generator=torch.Generator().manual_seed(1))}
-    small = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
-             "num_key_value_heads": 1, "head_dim": 16}
     runs = {}
     for decay in (0.0, 0.25):
         cfg = train_script.TrainConfig(steps=1, batch_size=2, seq_len=32, log_every=1, eval_every=0, warmup_steps=1,
                                        ema=decay)
-        model = train_script.build_model(0, overrides=small)
+        model = train_script.build_model(0, overrides=SMALL_MODEL)
         runs[decay] = ([p.detach().clone() for p in model.parameters()], model)
         train_script.train_model(model, data, cfg, torch.device("cpu"))
     (start, last), (_, averaged) = runs[0.0], runs[0.25]
@@ -193,8 +196,7 @@ def test_ema_saves_the_moving_average_of_the_weights(train_script, capsys) -> No
 
 
 def test_dropout_rate_can_change_and_turn_off(train_script) -> None:
-    model = train_script.build_model(0, overrides={"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
-                                             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16})
+    model = train_script.build_model(0, overrides=SMALL_MODEL)
     set_rate = train_script.add_dropout(model, 0.5)
     model.train()
     ids = torch.arange(3, 35)[None]

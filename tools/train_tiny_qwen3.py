@@ -770,6 +770,11 @@ def bits_per_byte(cross_entropy: float, targets: torch.Tensor, nbytes: torch.Ten
     return cross_entropy * targets.numel() / math.log(2) / float(nbytes[targets.long()].sum())
 
 
+def model_bits_per_byte(model: torch.nn.Module, ids: torch.Tensor, nbytes: torch.Tensor) -> float:
+    """Bits per byte of the model predicting the windows of ``ids`` (``nbytes``: ``token_bytes``)."""
+    return bits_per_byte(model_cross_entropy(model, ids), window_targets(ids), nbytes)
+
+
 ANSWER_DTYPE = {"cpu": "float32", "cuda": "bfloat16"}  # how minivllm answers the held-out requests
 
 
@@ -803,9 +808,9 @@ def evaluate(model_dir: Path, build: Path, max_tokens: int | None = None, answer
 
     device = "cuda" if answer_device == "cuda" else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).to(device)
-    heldout = load_ids(build / HELDOUT_IDS)
-    if max_tokens:
-        heldout = heldout[:max_tokens]
+    all_heldout = load_ids(build / HELDOUT_IDS)
+    heldout = all_heldout[:max_tokens] if max_tokens else all_heldout
+    nbytes = token_bytes(load_tokenizer(model_dir))
     counts = torch.bincount(load_ids(build / TRAIN_IDS), minlength=model.config.vocab_size)
     targets = window_targets(heldout)
     start = time.time()
@@ -816,16 +821,14 @@ def evaluate(model_dir: Path, build: Path, max_tokens: int | None = None, answer
         "unigram_heldout_ce": unigram_entropy(targets),
     }
     result["ratio_to_unigram_heldout"] = result["model_ce"] / result["unigram_heldout_ce"]
-    result["bits_per_byte"] = bits_per_byte(result["model_ce"], targets, token_bytes(load_tokenizer(model_dir)))
+    result["bits_per_byte"] = bits_per_byte(result["model_ce"], targets, nbytes)
     print(
         f"held-out CE over {result['eval_tokens']:,} tokens ({time.time() - start:.0f}s): "
         f"model {result['model_ce']:.4f} | unigram(train counts, add-one) {result['unigram_train_add_one_ce']:.4f} | "
         f"unigram(held-out itself) {result['unigram_heldout_ce']:.4f} | "
         f"ratio {result['ratio_to_unigram_heldout']:.3f} (test needs <= 0.6)"
     )
-    sample = sample_windows(load_ids(build / HELDOUT_IDS))
-    result["sample_bits_per_byte"] = bits_per_byte(model_cross_entropy(model, sample), window_targets(sample),
-                                                   token_bytes(load_tokenizer(model_dir)))
+    result["sample_bits_per_byte"] = model_bits_per_byte(model, sample_windows(all_heldout), nbytes)
     print(f"held-out bits per byte {result['bits_per_byte']:.4f}; on the tests' sample of {SAMPLE_WINDOWS} windows "
           f"{result['sample_bits_per_byte']:.4f}")
     if answer_device != "none":
@@ -905,6 +908,13 @@ def write_model_card(out: Path, meta: dict, cfg: TrainConfig, device: torch.devi
         answers = (f"\n- Held-out requests ({len(result['answers'])}, from files never trained on): "
                    f"{result['answer_share']:.0%} of the greedy answers (minivllm, {result['answer_dtype']} on "
                    f"{result['answer_device']}) parse as Python and define the function or class asked for.")
+    chat_dropout = "" if cfg.chat_dropout is None else f" ({cfg.chat_dropout:g} in the chat stage)"
+    how = (f"saved as a moving average of the weights (decay {cfg.ema:g}), " if cfg.ema else "") + \
+        ("torch.compile, " if cfg.compile else "")
+    flags = ("" if cfg.chat_dropout is None else f" --chat-dropout {cfg.chat_dropout:g}") + \
+        (f" --ema {cfg.ema:g}" if cfg.ema else "") + \
+        ("" if cfg.min_lr_ratio == TrainConfig.min_lr_ratio else f" --min-lr-ratio {cfg.min_lr_ratio:g}") + \
+        (" --compile" if cfg.compile else "")
     card = f"""# tiny-qwen3
 
 A {n_params / 1e6:.1f}M-parameter `Qwen3ForCausalLM` trained from scratch for the minivllm
@@ -921,8 +931,8 @@ Made by `tools/train_tiny_qwen3.py` (see its docstring); do not edit by hand.
   {meta['heldout']['files']} files held out by path hash ({meta['heldout']['tokens']:,} tokens);
   {meta['chat']['conversations']:,} conversations from the train files' documented definitions.
 - Training: seed {cfg.seed}, {cfg.steps} steps x batch {cfg.batch_size} x {cfg.seq_len} tokens
-  (the last {cfg.chat_steps} with {cfg.chat_fraction:.0%} conversations), dropout {cfg.dropout:g}{'' if cfg.chat_dropout is None else f' ({cfg.chat_dropout:g} in the chat stage)'},
-  AdamW lr {cfg.lr:g} (warmup {cfg.warmup_steps}, cosine to {cfg.min_lr_ratio:g}x), {f'saved as a moving average of the weights (decay {cfg.ema:g}), ' if cfg.ema else ''}{'torch.compile, ' if cfg.compile else ''}on
+  (the last {cfg.chat_steps} with {cfg.chat_fraction:.0%} conversations), dropout {cfg.dropout:g}{chat_dropout},
+  AdamW lr {cfg.lr:g} (warmup {cfg.warmup_steps}, cosine to {cfg.min_lr_ratio:g}x), {how}on
   {environment}: {seconds:.0f} s.
 - Held-out cross-entropy, nats/token over {result['eval_tokens']:,} tokens (bf16 weights run in float32):
   model **{result['model_ce']:.3f}**; unigram from train counts with add-one smoothing
@@ -937,7 +947,7 @@ Rebuild:
 python tools/train_tiny_qwen3.py prepare --build build/tiny
 python tools/train_tiny_qwen3.py train --build build/tiny --out minivllm/data/tiny-qwen3 \\
     --device {device.type} --steps {cfg.steps} --batch-size {cfg.batch_size} --lr {cfg.lr:g} \\
-    --chat-steps {cfg.chat_steps} --chat-fraction {cfg.chat_fraction:g} --dropout {cfg.dropout:g}{'' if cfg.chat_dropout is None else f' --chat-dropout {cfg.chat_dropout:g}'}{f' --ema {cfg.ema:g}' if cfg.ema else ''}{'' if cfg.min_lr_ratio == TrainConfig.min_lr_ratio else f' --min-lr-ratio {cfg.min_lr_ratio:g}'}{' --compile' if cfg.compile else ''}
+    --chat-steps {cfg.chat_steps} --chat-fraction {cfg.chat_fraction:g} --dropout {cfg.dropout:g}{flags}
 ```
 """
     (out / "README.md").write_text(card)
@@ -976,7 +986,8 @@ def train(build: Path, out: Path, device_name: str, cfg: TrainConfig, eval_token
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Subcommands prepare / train / eval / all."""
-    parser = argparse.ArgumentParser(description="Build minivllm's embedded tiny Qwen3 model (see the module docstring).")
+    parser = argparse.ArgumentParser(
+        description="Build minivllm's embedded tiny Qwen3 model (see the module docstring).")
     sub = parser.add_subparsers(dest="command", required=True)
     defaults = TrainConfig()
 
