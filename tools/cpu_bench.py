@@ -11,9 +11,12 @@ exactly `max_tokens` greedy output tokens (end-of-sequence ignored).
   `do_sample=False`, `max_new_tokens=min_new_tokens=max_tokens` and no eos token (so that greedy picks are never
   masked), float32, SDPA attention.
 
-Both use torch's default number of threads. Each side is warmed up once, then timed `repeats` times, the two sides
-alternating (so that a busy moment of a shared machine hits both); the medians are reported, in output tokens per
-second. The greedy tokens of both are compared, too.
+Each side runs in a process of its own, as it would in a user's program: minivllm's engine sets glibc's malloc to keep
+freed memory for reuse (`reuse_freed_memory`, notebook 09), which is the whole process's setting and speeds up
+transformers too. So transformers runs twice: as it comes, and in a process with the same setting
+("transformers + reuse"), and the speedup is reported against both. Both use torch's default number of threads.
+Each side is warmed up once, then timed `repeats` times, the sides alternating (so that a busy moment of a shared
+machine hits all of them); the medians are reported, in output tokens per second. The greedy tokens are compared, too.
 
     python tools/cpu_bench.py                     # 64 prompts x 64 tokens, 5 timed runs each
     python tools/cpu_bench.py --num-prompts 16 --repeats 1
@@ -113,38 +116,79 @@ def minivllm_generate(model_path: str, prompts: list[list[int]], max_tokens: int
     return generate, llm
 
 
+SIDES = ("transformers", "transformers + reuse", "minivllm")
+RUN_DEADLINE_S = 3600.0   # the longest a side may take to build, or to answer one timed run (--alone waits included)
+
+
+def run_side(side: str, model_path: str, prompts: list[list[int]], max_tokens: int, alone: bool, conn) -> None:
+    "One side in its own process: build and warm up (sending back its tokens), then one timed run per request."
+    from minivllm.engine.host_memory import reuse_freed_memory
+
+    if side == "transformers + reuse":
+        reuse_freed_memory()
+    llm = None
+    if side == "minivllm":
+        fn, llm = minivllm_generate(model_path, prompts, max_tokens)
+    else:
+        fn = transformers_generate(model_path, prompts, max_tokens)
+    conn.send(fn())
+    while conn.recv():
+        if alone:
+            conn.send(timed_alone(fn))
+        else:
+            start = time.perf_counter()
+            fn()
+            conn.send(time.perf_counter() - start)
+    if llm is not None:
+        llm.close()
+
+
+def receive(conn, side: str, deadline_s: float = RUN_DEADLINE_S):
+    if not conn.poll(deadline_s):
+        raise TimeoutError(f"{side}: no answer within {deadline_s:.0f} s")
+    return conn.recv()
+
+
 def cpu_vs_transformers(num_prompts: int = 64, max_tokens: int = 64, seed: int = 0, repeats: int = 5,
                         model_path: str | None = None, alone: bool = False) -> dict:
     "minivllm vs transformers `generate` on the same greedy batch on this CPU: median output tokens/s and their ratio."
+    import multiprocessing as mp
+
     from transformers import AutoConfig
 
     from minivllm.tiny_model import TINY_MODEL_PATH
 
     model_path = str(model_path or TINY_MODEL_PATH)
     prompts = random_prompts(num_prompts, AutoConfig.from_pretrained(model_path).vocab_size, seed)
-    hf = transformers_generate(model_path, prompts, max_tokens)
-    mv, llm = minivllm_generate(model_path, prompts, max_tokens)
+    ctx, conns, procs, tokens = mp.get_context("spawn"), {}, [], {}
     try:
-        hf_tokens, mv_tokens = hf(), mv()            # warm-up
-        times = {"transformers": [], "minivllm": []}
-        for _ in range(repeats):                     # interleaved: a busy moment of the machine hits both sides
-            for name, fn in (("transformers", hf), ("minivllm", mv)):
-                if alone:
-                    times[name].append(timed_alone(fn))
-                    continue
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
+        for side in SIDES:
+            conns[side], child = ctx.Pipe()
+            procs.append(ctx.Process(target=run_side, args=(side, model_path, prompts, max_tokens, alone, child)))
+            procs[-1].start()
+            tokens[side] = receive(conns[side], side)                # built and warmed up, one side at a time
+        times = {side: [] for side in SIDES}
+        for _ in range(repeats):                                     # interleaved: a busy moment hits every side
+            for side in SIDES:
+                conns[side].send(True)
+                times[side].append(receive(conns[side], side))
+        for side in SIDES:
+            conns[side].send(False)
     finally:
-        llm.close()
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
     num_tokens = num_prompts * max_tokens
-    hf_s, mv_s = statistics.median(times["transformers"]), statistics.median(times["minivllm"])
+    median = {side: statistics.median(times[side]) for side in SIDES}
+    hf_tokens, mv_tokens = tokens["transformers"], tokens["minivllm"]
     return dict(num_prompts=num_prompts, max_tokens=max_tokens, seed=seed, repeats=repeats, alone=alone,
                 prompt_tokens=sum(map(len, prompts)), output_tokens=num_tokens, threads=torch.get_num_threads(),
-                transformers_s=hf_s, minivllm_s=mv_s, transformers_times=times["transformers"],
-                minivllm_times=times["minivllm"], transformers_tok_s=num_tokens / hf_s,
-                minivllm_tok_s=num_tokens / mv_s, speedup=hf_s / mv_s,
+                times=times, seconds=median, tok_s={side: num_tokens / median[side] for side in SIDES},
+                speedup=median["transformers"] / median["minivllm"],
+                speedup_same_malloc=median["transformers + reuse"] / median["minivllm"],
                 identical_outputs=sum(a == b for a, b in zip(hf_tokens, mv_tokens)),
+                same_tokens_with_reuse=tokens["transformers + reuse"] == hf_tokens,
                 all_lengths_ok=all(len(t) == max_tokens for t in hf_tokens + mv_tokens))
 
 
@@ -161,12 +205,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"workload: {r['num_prompts']} prompts ({r['prompt_tokens']} tokens, lengths 32..256, seed {r['seed']}) "
           f"x {r['max_tokens']} greedy output tokens; {r['threads']} torch threads; median of {r['repeats']} runs"
           + (" with the machine to itself" if r["alone"] else ""))
-    print(f"transformers generate: {r['transformers_tok_s']:8.1f} output tok/s  ({r['transformers_s']:.2f} s; runs "
-          + ", ".join(f"{t:.2f}" for t in r["transformers_times"]) + ")")
-    print(f"minivllm LLM.generate: {r['minivllm_tok_s']:8.1f} output tok/s  ({r['minivllm_s']:.2f} s; runs "
-          + ", ".join(f"{t:.2f}" for t in r["minivllm_times"]) + ")")
-    print(f"speedup: {r['speedup']:.2f}x   identical greedy outputs: {r['identical_outputs']}/{r['num_prompts']}   "
-          f"all outputs {r['max_tokens']} tokens: {r['all_lengths_ok']}")
+    for side, label in zip(SIDES, ("transformers generate", "transformers + reuse", "minivllm LLM.generate")):
+        print(f"{label:22} {r['tok_s'][side]:8.1f} output tok/s  ({r['seconds'][side]:.2f} s; runs "
+              + ", ".join(f"{t:.2f}" for t in r["times"][side]) + ")")
+    print(f"speedup: {r['speedup']:.2f}x transformers as it comes, {r['speedup_same_malloc']:.2f}x with the same "
+          f"malloc setting   identical greedy outputs: {r['identical_outputs']}/{r['num_prompts']} (transformers + "
+          f"reuse: the same tokens: {r['same_tokens_with_reuse']})   all outputs {r['max_tokens']} tokens: "
+          f"{r['all_lengths_ok']}")
     return r
 
 

@@ -28,6 +28,8 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "issue 17 (part), an 8-bit KV cache: kv_cache_dtype, the rounding store, the kernels' 8-bit reads": 31,
     "issue 17 (part), dummy weights as a random checkpoint: each layer's checkpoint_shape (also what its loader "
     "checks), dummy_checkpoint (whole tensors seeded by name, so every tensor-parallel size gets the same model)": 35,
+    "issues 16/18 (part), the CPU path: reuse_freed_memory (glibc keeps freed memory for reuse), the CPU KV cache "
+    "from the system's zero pages (so the CPU decode needs no pass that zeroes the values past each end)": 38,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

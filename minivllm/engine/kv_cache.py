@@ -3,6 +3,9 @@
 # %% ../../notebooks/09_model_runner.ipynb #39cfc363
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 import torch.distributed as dist
 
@@ -34,7 +37,7 @@ def num_kv_blocks(config: Config, budget_bytes: int) -> int:
 
 # %% auto #0
 __all__ = ['kv_block_bytes', 'num_kv_blocks', 'profile_run', 'gpu_kv_budget', 'kv_budget', 'attention_layers',
-           'allocate_kv_cache']
+           'zeroed_cpu_tensor', 'allocate_kv_cache']
 
 # %% ../../notebooks/09_model_runner.ipynb #86b559c9
 @torch.inference_mode()
@@ -76,13 +79,21 @@ def attention_layers(model: torch.nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
+def zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    "Zeros in fresh anonymous memory: the operating system's zero pages, each committed when first written."
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+
+
 def allocate_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
     "One tensor for the whole cache; each attention layer gets views of its K and V."
     layers = attention_layers(model)
     shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
-    make = torch.zeros if device.type == "cuda" else torch.empty  # on a CPU, pages are touched on first write
-    kv_cache = make(shape, dtype=dtype, device=device)
+    if device.type == "cuda":
+        kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+    else:   # zeros too, without clearing (and committing) the whole cache now
+        kv_cache = zeroed_cpu_tensor(shape, dtype)
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
     return kv_cache

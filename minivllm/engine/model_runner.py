@@ -16,6 +16,7 @@ from ..layers.sampler import LogprobsTensors, Sampler, SamplingTensors, gather_l
 from ..models.registry import build_model
 from ..sampling_params import SamplingParams
 from .cuda_graph import CUDAGraphRunner
+from .host_memory import reuse_freed_memory
 from .kv_cache import allocate_kv_cache, attention_layers, kv_budget, num_kv_blocks
 from .sampling_cache import SamplingCache
 from .step_inputs import PinnedUploads, StepInputs, to_device
@@ -50,6 +51,8 @@ class ModelRunner:
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        else:
+            reuse_freed_memory()   # a step's large temporaries reuse the pages of the step before
         self.kv_cache = self.graphs = None
         self.model = build_model(config.hf_config, config.model, config.torch_dtype, self.device, tp,
                                  config.load_format, config.seed)

@@ -31,8 +31,7 @@ def decode_attention_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     for h in range(num_kv_heads):   # the group's query rows [B, group, dim] @ this head's keys [B, dim, L] (a view)
         torch.bmm(q[:, h], k[:, :, h].transpose(1, 2), out=scores[h])
     past_end = torch.arange(k.shape[1], device=q.device) >= context_lens[:, None]       # [B, L]
-    probs = scores.masked_fill_(past_end[:, None], float("-inf")).softmax(dim=-1)
-    v.masked_fill_(past_end[:, :, None, None], 0.0)   # slots never written may hold NaN: 0 * NaN would leak into out
+    probs = scores.masked_fill_(past_end[:, None], float("-inf")).softmax(dim=-1)   # 0 past the end: 0 x any finite v
     out = q.new_empty(num_kv_heads, num_seqs, group, head_dim)
     for h in range(num_kv_heads):
         torch.bmm(probs[h], v[:, :, h], out=out[h])
