@@ -195,6 +195,29 @@ def test_ema_saves_the_moving_average_of_the_weights(train_script, capsys) -> No
     assert "moving average" in capsys.readouterr().out
 
 
+def test_ema_start_averages_from_that_steps_weights(train_script) -> None:
+    data = {"train": torch.randint(3, 4096, (2048,), generator=torch.Generator().manual_seed(0)),
+            "heldout": torch.randint(3, 4096, (256,), generator=torch.Generator().manual_seed(1))}
+
+    def trained(ema: float, ema_start: int) -> list[torch.Tensor]:
+        cfg = train_script.TrainConfig(steps=2, batch_size=2, seq_len=32, log_every=1, eval_every=0, warmup_steps=1,
+                                       ema=ema, ema_start=ema_start)
+        model = train_script.build_model(0, overrides=SMALL_MODEL)
+        train_script.train_model(model, data, cfg, torch.device("cpu"))
+        return [p.detach().clone() for p in model.parameters()]
+
+    after_first, last = trained(1.0, 1), trained(0.0, 0)   # decay 1 keeps the weights the average started from
+    for p1, p2, pa in zip(after_first, last, trained(0.25, 1)):   # from step 1: 0.25 those + 0.75 the last
+        assert not torch.equal(p1, p2)
+        torch.testing.assert_close(pa, 0.25 * p1 + 0.75 * p2)
+
+
+def test_ema_start_must_be_a_step_of_the_run(train_script) -> None:
+    args = train_script.parse_args(["train", "--out", "x", "--steps", "10", "--ema", "0.9", "--ema-start", "10"])
+    with pytest.raises(SystemExit, match="--ema-start must be a step of the run"):
+        train_script.train_config(args)
+
+
 def test_dropout_rate_can_change_and_turn_off(train_script) -> None:
     model = train_script.build_model(0, overrides=SMALL_MODEL)
     set_rate = train_script.add_dropout(model, 0.5)

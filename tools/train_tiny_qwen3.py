@@ -44,7 +44,7 @@ text.  This script makes one from scratch, offline, in three steps:
     training only).  The last ``chat_steps`` steps are the chat stage: half of
     each batch are windows that start at a conversation and train on its
     answer tokens only.  Optionally (``--ema``) the saved weights are a moving
-    average of the trained ones.  Writes a Hugging Face folder (bf16 weights,
+    average of the trained ones (from step ``--ema-start`` on).  Writes a Hugging Face folder (bf16 weights,
     tokenizer, chat template, a generation config that also stops at
     ``<|im_end|>``, model card) and its evaluation as ``<out>.eval.json``.
 
@@ -528,6 +528,7 @@ class TrainConfig:
     chat_dropout: float | None = None  # the chat stage's dropout (None: the same as before it)
     compile: bool = False  # torch.compile the training forward (CUDA)
     ema: float = 0.0  # > 0: save an exponential moving average of the weights with this decay (0: the last weights)
+    ema_start: int = 0  # the step whose weights the average starts from (e.g. the chat stage's first)
 
 
 def seed_everything(seed: int) -> None:
@@ -655,9 +656,11 @@ def train_model(model: torch.nn.Module, data: dict, cfg: TrainConfig, device: to
     forward = torch.compile(model) if cfg.compile else model
     heldout = data["heldout"]
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    ema = [p.detach().clone() for p in model.parameters()] if cfg.ema else None
+    ema = None
     running, t_log, t_start = 0.0, time.time(), time.time()
     for step in range(cfg.steps):
+        if cfg.ema and step == cfg.ema_start:   # the average starts from the weights before this step
+            ema = [p.detach().clone() for p in model.parameters()]
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         if step == cfg.steps - cfg.chat_steps and cfg.chat_dropout is not None:
@@ -909,10 +912,11 @@ def write_model_card(out: Path, meta: dict, cfg: TrainConfig, device: torch.devi
                    f"{result['answer_share']:.0%} of the greedy answers (minivllm, {result['answer_dtype']} on "
                    f"{result['answer_device']}) parse as Python and define the function or class asked for.")
     chat_dropout = "" if cfg.chat_dropout is None else f" ({cfg.chat_dropout:g} in the chat stage)"
-    how = (f"saved as a moving average of the weights (decay {cfg.ema:g}), " if cfg.ema else "") + \
+    since = f" from step {cfg.ema_start}" if cfg.ema_start else ""
+    how = (f"saved as a moving average of the weights (decay {cfg.ema:g}{since}), " if cfg.ema else "") + \
         ("torch.compile, " if cfg.compile else "")
     flags = ("" if cfg.chat_dropout is None else f" --chat-dropout {cfg.chat_dropout:g}") + \
-        (f" --ema {cfg.ema:g}" if cfg.ema else "") + \
+        (f" --ema {cfg.ema:g}" if cfg.ema else "") + (f" --ema-start {cfg.ema_start}" if cfg.ema_start else "") + \
         ("" if cfg.min_lr_ratio == TrainConfig.min_lr_ratio else f" --min-lr-ratio {cfg.min_lr_ratio:g}") + \
         (" --compile" if cfg.compile else "")
     card = f"""# tiny-qwen3
@@ -1011,6 +1015,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("--compile", action="store_true", help="torch.compile the training forward")
         p.add_argument("--ema", type=float, default=defaults.ema,
                        help="save a moving average of the weights with this decay, e.g. 0.999 (0: the last weights)")
+        p.add_argument("--ema-start", type=int, default=defaults.ema_start,
+                       help="the step the moving average starts from (e.g. the chat stage's first: steps - chat steps)")
         p.add_argument("--min-lr-ratio", type=float, default=defaults.min_lr_ratio,
                        help="the cosine schedule ends at lr x this")
         p.add_argument("--model-config", type=json.loads, default=None,
@@ -1037,6 +1043,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     """The run's hyper-parameters from the command line (warmup <= 10% of steps)."""
+    if args.ema and not 0 <= args.ema_start < args.steps:
+        raise SystemExit(f"--ema-start must be a step of the run, in [0, {args.steps}), got {args.ema_start}")
     return TrainConfig(
         steps=args.steps,
         batch_size=args.batch_size,
@@ -1051,6 +1059,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         chat_dropout=args.chat_dropout,
         compile=args.compile,
         ema=args.ema,
+        ema_start=args.ema_start,
         min_lr_ratio=args.min_lr_ratio,
     )
 
