@@ -44,9 +44,10 @@ text.  This script makes one from scratch, offline, in three steps:
     training only).  The last ``chat_steps`` steps are the chat stage: half of
     each batch are windows that start at a conversation and train on its
     answer tokens only.  Optionally (``--ema``) the saved weights are a moving
-    average of the trained ones (from step ``--ema-start`` on).  Writes a Hugging Face folder (bf16 weights,
-    tokenizer, chat template, a generation config that also stops at
-    ``<|im_end|>``, model card) and its evaluation as ``<out>.eval.json``.
+    average of the trained ones (from step ``--ema-start`` on).  Writes a
+    Hugging Face folder (bf16 weights, tokenizer, chat template, a generation
+    config that also stops at ``<|im_end|>``, model card) and its evaluation
+    as ``<out>.eval.json``.
 
 ``eval``
     Held-out cross-entropy (nats/token) of a saved folder against two unigram
