@@ -212,6 +212,36 @@ def test_ema_start_averages_from_that_steps_weights(train_script) -> None:
         torch.testing.assert_close(pa, 0.25 * p1 + 0.75 * p2)
 
 
+def test_ema_until_trains_on_from_the_average(train_script, capsys) -> None:
+    data = {"train": torch.randint(3, 4096, (2048,), generator=torch.Generator().manual_seed(0)),
+            "heldout": torch.randint(3, 4096, (256,), generator=torch.Generator().manual_seed(1))}
+
+    def trained(**ema) -> list[torch.Tensor]:
+        cfg = train_script.TrainConfig(steps=2, batch_size=2, seq_len=32, log_every=1, eval_every=0, warmup_steps=1,
+                                       **ema)
+        model = train_script.build_model(0, overrides=SMALL_MODEL)
+        train_script.train_model(model, data, cfg, torch.device("cpu"))
+        return [p.detach().clone() for p in model.parameters()]
+
+    start = [p.detach().clone() for p in train_script.build_model(0, overrides=SMALL_MODEL).parameters()]
+    capsys.readouterr()
+    polished = trained(ema=1.0, ema_until=1)   # decay 1: the average is the first weights; step 1 trains from them
+    log = capsys.readouterr().out
+    assert log.index("moving average") < log.index("step     2/2")   # replaced at step 1, then trained on
+    last, averaged = trained(), trained(ema=1.0)
+    for p0, pp, pl, pa in zip(start, polished, last, averaged):
+        torch.testing.assert_close(pa, p0)              # without --ema-until the average is what is saved
+        assert not torch.equal(pp, p0) and not torch.equal(pp, pl)
+
+
+@pytest.mark.parametrize("flags", [["--ema-until", "5"], ["--ema", "0.9", "--ema-until", "10"],
+                                   ["--ema", "0.9", "--ema-start", "5", "--ema-until", "5"]])
+def test_ema_until_must_follow_the_start_within_the_run(train_script, flags) -> None:
+    args = train_script.parse_args(["train", "--out", "x", "--steps", "10", *flags])
+    with pytest.raises(SystemExit, match="--ema-until needs --ema"):
+        train_script.train_config(args)
+
+
 def test_ema_start_must_be_a_step_of_the_run(train_script) -> None:
     args = train_script.parse_args(["train", "--out", "x", "--steps", "10", "--ema", "0.9", "--ema-start", "10"])
     with pytest.raises(SystemExit, match="--ema-start must be a step of the run"):

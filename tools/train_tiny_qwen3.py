@@ -44,7 +44,9 @@ text.  This script makes one from scratch, offline, in three steps:
     training only).  The last ``chat_steps`` steps are the chat stage: half of
     each batch are windows that start at a conversation and train on its
     answer tokens only.  Optionally (``--ema``) the saved weights are a moving
-    average of the trained ones (from step ``--ema-start`` on).  Writes a
+    average of the trained ones (from step ``--ema-start`` on); with
+    ``--ema-until`` the average replaces the weights at that step and the
+    last steps train on from it.  Writes a
     Hugging Face folder (bf16 weights, tokenizer, chat template, a generation
     config that also stops at ``<|im_end|>``, model card) and its evaluation
     as ``<out>.eval.json``.
@@ -530,6 +532,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the training forward (CUDA)
     ema: float = 0.0  # > 0: save an exponential moving average of the weights with this decay (0: the last weights)
     ema_start: int = 0  # the step whose weights the average starts from (e.g. the chat stage's first)
+    ema_until: int = 0  # > 0: at this step the average replaces the weights and training goes on from it (0: at the end)
 
 
 def seed_everything(seed: int) -> None:
@@ -662,6 +665,10 @@ def train_model(model: torch.nn.Module, data: dict, cfg: TrainConfig, device: to
     for step in range(cfg.steps):
         if cfg.ema and step == cfg.ema_start:   # the average starts from the weights before this step
             ema = [p.detach().clone() for p in model.parameters()]
+        if ema is not None and cfg.ema_until and step == cfg.ema_until:   # the average becomes the weights; the last steps polish it
+            use_average(model, ema, heldout[: 64 * cfg.seq_len], device, cfg.seq_len)
+            model.train()
+            ema = None
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         if step == cfg.steps - cfg.chat_steps and cfg.chat_dropout is not None:
@@ -914,10 +921,14 @@ def write_model_card(out: Path, meta: dict, cfg: TrainConfig, device: torch.devi
                    f"{result['answer_device']}) parse as Python and define the function or class asked for.")
     chat_dropout = "" if cfg.chat_dropout is None else f" ({cfg.chat_dropout:g} in the chat stage)"
     since = f" from step {cfg.ema_start}" if cfg.ema_start else ""
-    how = (f"saved as a moving average of the weights (decay {cfg.ema:g}{since}), " if cfg.ema else "") + \
-        ("torch.compile, " if cfg.compile else "")
+    average = f"saved as a moving average of the weights (decay {cfg.ema:g}{since}), "
+    if cfg.ema_until:
+        average = (f"a moving average of the weights (decay {cfg.ema:g}{since}) replacing them at step "
+                   f"{cfg.ema_until}, trained on from there, ")
+    how = (average if cfg.ema else "") + ("torch.compile, " if cfg.compile else "")
     flags = ("" if cfg.chat_dropout is None else f" --chat-dropout {cfg.chat_dropout:g}") + \
         (f" --ema {cfg.ema:g}" if cfg.ema else "") + (f" --ema-start {cfg.ema_start}" if cfg.ema_start else "") + \
+        (f" --ema-until {cfg.ema_until}" if cfg.ema_until else "") + \
         ("" if cfg.min_lr_ratio == TrainConfig.min_lr_ratio else f" --min-lr-ratio {cfg.min_lr_ratio:g}") + \
         (" --compile" if cfg.compile else "")
     card = f"""# tiny-qwen3
@@ -1018,6 +1029,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="save a moving average of the weights with this decay, e.g. 0.999 (0: the last weights)")
         p.add_argument("--ema-start", type=int, default=defaults.ema_start,
                        help="the step the moving average starts from (e.g. the chat stage's first: steps - chat steps)")
+        p.add_argument("--ema-until", type=int, default=defaults.ema_until,
+                       help="at this step the average replaces the weights, which train on from it (0: at the end)")
         p.add_argument("--min-lr-ratio", type=float, default=defaults.min_lr_ratio,
                        help="the cosine schedule ends at lr x this")
         p.add_argument("--model-config", type=json.loads, default=None,
@@ -1046,6 +1059,9 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     """The run's hyper-parameters from the command line (warmup <= 10% of steps)."""
     if args.ema and not 0 <= args.ema_start < args.steps:
         raise SystemExit(f"--ema-start must be a step of the run, in [0, {args.steps}), got {args.ema_start}")
+    if args.ema_until and not (args.ema and args.ema_start < args.ema_until < args.steps):
+        raise SystemExit(f"--ema-until needs --ema and a step after --ema-start and before --steps "
+                         f"({args.ema_start} < step < {args.steps}), got {args.ema_until}")
     return TrainConfig(
         steps=args.steps,
         batch_size=args.batch_size,
@@ -1061,6 +1077,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         compile=args.compile,
         ema=args.ema,
         ema_start=args.ema_start,
+        ema_until=args.ema_until,
         min_lr_ratio=args.min_lr_ratio,
     )
 
