@@ -37,7 +37,7 @@ REQUIRED_FILES = (
 EVAL_TOKENS = 16 * 1024  # first tokens of the held-out split
 WINDOW = 512
 MAX_RATIO_TO_UNIGRAM = 0.6
-MAX_RATIO_TO_PREVIOUS = 0.86  # bits per byte against the 5.0M model's on the same tokens (see the test)
+MAX_RATIO_TO_PREVIOUS = 0.85  # bits per byte against the 5.0M model's on the same tokens: issue 18's -15%
 ANSWER_REQUESTS = 20  # the first of the eval's 100 held-out requests (~10 s on CPU)
 MIN_ANSWER_SHARE = 0.6  # issue 18's target
 
@@ -174,8 +174,8 @@ def test_heldout_cross_entropy_beats_unigram(model, tokenizer, train_script) -> 
 
 def test_heldout_bits_per_byte_beat_the_previous_model(model, tokenizer, train_script) -> None:
     # The script's sample: 32 windows spread over the whole held-out split (16,352 predicted tokens, ~5 s here),
-    # which tracks the whole split (the eval's figure): this model 0.8866 bits per byte against the previous
-    # model's 1.0403 (-14.8%; on the whole split 0.8489 against 0.9968, also -14.8%). Issue 18's target is -15%.
+    # which tracks the whole split (the eval's figure): this model 0.8787 bits per byte against the previous
+    # model's 1.0403 (-15.5%; on the whole split 0.8453 against 0.9968, -15.2%). Issue 18's target is -15%.
     ids = torch.tensor(tokenizer(train_script.read_corpus("heldout"), verbose=False)["input_ids"])
     bpb = train_script.model_bits_per_byte(model, train_script.sample_windows(ids), train_script.token_bytes(tokenizer))
     previous = train_script.PREVIOUS_MODEL_BITS_PER_BYTE["sample"]
@@ -184,8 +184,8 @@ def test_heldout_bits_per_byte_beat_the_previous_model(model, tokenizer, train_s
 
 @pytest.mark.timeout(300)
 def test_answers_heldout_requests_with_code(model_path: Path, train_script) -> None:
-    # The eval's 100 requests (files never trained on): 68% of the greedy answers define the name asked for, in
-    # float32 on CPU; these are its first 20 (greedy, 512 tokens at most each).
+    # The eval's 100 requests (files never trained on): 67% of the greedy answers define the name asked for, in
+    # float32 on CPU; these are its first 20 (16 of them do; greedy, 512 tokens at most each).
     from tokenizers import Tokenizer
 
     requests = train_script.heldout_requests(Tokenizer.from_file(str(model_path / "tokenizer.json")),
