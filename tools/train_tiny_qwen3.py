@@ -65,7 +65,8 @@ text.  This script makes one from scratch, offline, in three steps:
 
     python tools/train_tiny_qwen3.py prepare --build build/tiny
     python tools/train_tiny_qwen3.py train --build build/tiny \\
-        --out minivllm/data/tiny-qwen3 --device cuda --compile
+        --out minivllm/data/tiny-qwen3 --device cuda --compile \\
+        --ema 0.9995 --ema-until 6000     # the shipped model (its card)
     python tools/train_tiny_qwen3.py eval --build build/tiny \\
         --model minivllm/data/tiny-qwen3
 
