@@ -179,9 +179,23 @@ def test_training_mixes_conversations_in_and_leaves_no_dropout_behind(train_scri
         assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)  # no dropout in eval
 
 
-def test_ema_saves_the_moving_average_of_the_weights(train_script, capsys) -> None:
-    data = {"train": torch.randint(3, 4096, (2048,), generator=torch.Generator().manual_seed(0)),
+def random_tokens() -> dict:
+    "Random train and held-out ids for the training-loop tests."
+    return {"train": torch.randint(3, 4096, (2048,), generator=torch.Generator().manual_seed(0)),
             "heldout": torch.randint(3, 4096, (256,), generator=torch.Generator().manual_seed(1))}
+
+
+def trained_weights(train_script, **ema) -> list[torch.Tensor]:
+    "The weights of SMALL_MODEL after 2 steps on `random_tokens()` with these EMA settings."
+    cfg = train_script.TrainConfig(steps=2, batch_size=2, seq_len=32, log_every=1, eval_every=0, warmup_steps=1,
+                                   **ema)
+    model = train_script.build_model(0, overrides=SMALL_MODEL)
+    train_script.train_model(model, random_tokens(), cfg, torch.device("cpu"))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_ema_saves_the_moving_average_of_the_weights(train_script, capsys) -> None:
+    data = random_tokens()
     runs = {}
     for decay in (0.0, 0.25):
         cfg = train_script.TrainConfig(steps=1, batch_size=2, seq_len=32, log_every=1, eval_every=0, warmup_steps=1,
@@ -196,39 +210,21 @@ def test_ema_saves_the_moving_average_of_the_weights(train_script, capsys) -> No
 
 
 def test_ema_start_averages_from_that_steps_weights(train_script) -> None:
-    data = {"train": torch.randint(3, 4096, (2048,), generator=torch.Generator().manual_seed(0)),
-            "heldout": torch.randint(3, 4096, (256,), generator=torch.Generator().manual_seed(1))}
-
-    def trained(ema: float, ema_start: int) -> list[torch.Tensor]:
-        cfg = train_script.TrainConfig(steps=2, batch_size=2, seq_len=32, log_every=1, eval_every=0, warmup_steps=1,
-                                       ema=ema, ema_start=ema_start)
-        model = train_script.build_model(0, overrides=SMALL_MODEL)
-        train_script.train_model(model, data, cfg, torch.device("cpu"))
-        return [p.detach().clone() for p in model.parameters()]
-
-    after_first, last = trained(1.0, 1), trained(0.0, 0)   # decay 1 keeps the weights the average started from
-    for p1, p2, pa in zip(after_first, last, trained(0.25, 1)):   # from step 1: 0.25 those + 0.75 the last
+    after_first = trained_weights(train_script, ema=1.0, ema_start=1)   # decay 1 keeps the weights it started from
+    last = trained_weights(train_script)
+    for p1, p2, pa in zip(after_first, last, trained_weights(train_script, ema=0.25, ema_start=1)):   # 0.25 + 0.75
         assert not torch.equal(p1, p2)
         torch.testing.assert_close(pa, 0.25 * p1 + 0.75 * p2)
 
 
 def test_ema_until_trains_on_from_the_average(train_script, capsys) -> None:
-    data = {"train": torch.randint(3, 4096, (2048,), generator=torch.Generator().manual_seed(0)),
-            "heldout": torch.randint(3, 4096, (256,), generator=torch.Generator().manual_seed(1))}
-
-    def trained(**ema) -> list[torch.Tensor]:
-        cfg = train_script.TrainConfig(steps=2, batch_size=2, seq_len=32, log_every=1, eval_every=0, warmup_steps=1,
-                                       **ema)
-        model = train_script.build_model(0, overrides=SMALL_MODEL)
-        train_script.train_model(model, data, cfg, torch.device("cpu"))
-        return [p.detach().clone() for p in model.parameters()]
-
     start = [p.detach().clone() for p in train_script.build_model(0, overrides=SMALL_MODEL).parameters()]
     capsys.readouterr()
-    polished = trained(ema=1.0, ema_until=1)   # decay 1: the average is the first weights; step 1 trains from them
+    polished = trained_weights(train_script, ema=1.0, ema_until=1)   # the average is the first weights (decay 1);
+    # step 1 trains from them
     log = capsys.readouterr().out
     assert log.index("moving average") < log.index("step     2/2")   # replaced at step 1, then trained on
-    last, averaged = trained(), trained(ema=1.0)
+    last, averaged = trained_weights(train_script), trained_weights(train_script, ema=1.0)
     for p0, pp, pl, pa in zip(start, polished, last, averaged):
         torch.testing.assert_close(pa, p0)              # without --ema-until the average is what is saved
         assert not torch.equal(pp, p0) and not torch.equal(pp, pl)

@@ -533,7 +533,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the training forward (CUDA)
     ema: float = 0.0  # > 0: save an exponential moving average of the weights with this decay (0: the last weights)
     ema_start: int = 0  # the step whose weights the average starts from (e.g. the chat stage's first)
-    ema_until: int = 0  # > 0: at this step the average replaces the weights and training goes on from it (0: at the end)
+    ema_until: int = 0  # > 0: the step at which the average replaces the weights, trained on from there
 
 
 def seed_everything(seed: int) -> None:
@@ -666,7 +666,7 @@ def train_model(model: torch.nn.Module, data: dict, cfg: TrainConfig, device: to
     for step in range(cfg.steps):
         if cfg.ema and step == cfg.ema_start:   # the average starts from the weights before this step
             ema = [p.detach().clone() for p in model.parameters()]
-        if ema is not None and cfg.ema_until and step == cfg.ema_until:   # the average becomes the weights; the last steps polish it
+        if ema is not None and cfg.ema_until and step == cfg.ema_until:   # the average becomes the weights
             use_average(model, ema, heldout[: 64 * cfg.seq_len], device, cfg.seq_len)
             model.train()
             ema = None
@@ -922,10 +922,9 @@ def write_model_card(out: Path, meta: dict, cfg: TrainConfig, device: torch.devi
                    f"{result['answer_device']}) parse as Python and define the function or class asked for.")
     chat_dropout = "" if cfg.chat_dropout is None else f" ({cfg.chat_dropout:g} in the chat stage)"
     since = f" from step {cfg.ema_start}" if cfg.ema_start else ""
-    average = f"saved as a moving average of the weights (decay {cfg.ema:g}{since}), "
-    if cfg.ema_until:
-        average = (f"a moving average of the weights (decay {cfg.ema:g}{since}) replacing them at step "
-                   f"{cfg.ema_until}, trained on from there, ")
+    average = f"a moving average of the weights (decay {cfg.ema:g}{since})"
+    average = (f"{average} replacing them at step {cfg.ema_until}, trained on from there, " if cfg.ema_until
+               else f"saved as {average}, ")
     how = (average if cfg.ema else "") + ("torch.compile, " if cfg.compile else "")
     flags = ("" if cfg.chat_dropout is None else f" --chat-dropout {cfg.chat_dropout:g}") + \
         (f" --ema {cfg.ema:g}" if cfg.ema else "") + (f" --ema-start {cfg.ema_start}" if cfg.ema_start else "") + \
