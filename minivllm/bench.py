@@ -96,7 +96,9 @@ def run_minivllm(model: str, prompts: list[list[int]], output_lens: list[int], w
                              sum(len(o.outputs[0].token_ids) for o in outputs), seconds,
                              dict(preemptions=stats.num_preemptions, steps=llm.llm_engine.stats.num_steps,
                                   cached_prompt_tokens=sum(o.num_cached_tokens for o in outputs),
-                                  engine_kwargs={k: v for k, v in engine_kwargs.items()}))
+                                  engine_kwargs={k: v for k, v in engine_kwargs.items()},
+                                  attention_backends=dict(decode=llm.llm_engine.config.attention_backend,
+                                                          prefill=llm.llm_engine.config.prefill_backend)))
         return result, records
     finally:
         llm.close()
@@ -142,6 +144,9 @@ def environment() -> dict:
                triton=triton.__version__, cpu_count=os.cpu_count())
     if torch.cuda.is_available():
         env.update(gpu=torch.cuda.get_device_name(), gpu_count=torch.cuda.device_count())
+    from minivllm.kernels.backends import flash_attn_version
+    if flash_attn_version():
+        env.update(flash_attn=flash_attn_version())
     return env
 
 
@@ -158,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--arch", choices=list(ARCHS), default="qwen3-0.6b",
                     help="without --model: this architecture with random weights (beyond qwen3-0.6b: made in place)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: an 8-bit KV cache")
+    ap.add_argument("--attention-backend", choices=["torch", "triton", "flash_attn"], default=None,
+                    help="one attention backend for every step (default: each phase's faster, notebook 05)")
     ap.add_argument("--load-format", choices=["auto", "dummy"], default=None,
                     help="dummy: seeded random weights made in place (default for --arch other than qwen3-0.6b)")
     ap.add_argument("--random-model-dir", default=os.path.expanduser("~/.cache/minivllm/qwen3-0.6b-random"))
@@ -250,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig
     print(f"model: {model}{'' if args.model and load_format == 'auto' else ' (RANDOM WEIGHTS)'}\n"
           f"environment: {environment()}")
-    engine_kwargs = dict(load_format=load_format, kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+    engine_kwargs = dict(load_format=load_format, kv_cache_dtype=args.kv_cache_dtype,
+                         attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
+                         enforce_eager=args.enforce_eager,
                          block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                          gpu_memory_utilization=args.gpu_memory_utilization)

@@ -126,7 +126,7 @@ class Config:
     seed: int = 0
     num_kvcache_blocks: int | None = None       # fix the KV-cache size instead of measuring free memory
     cpu_kvcache_space_gib: float = 1.0          # KV-cache memory on a CPU
-    attention_backend: str | None = None        # torch | triton | flash_attn; None: chosen once, here
+    attention_backend: str | None = None        # torch | triton | flash_attn; None: chosen once, here, per phase
     skip_tokenizer_init: bool = False           # token ids in, token ids out (no text)
     async_scheduling: bool = True               # launch the next decode step before collecting this one
     generation_config: str = "auto"             # auto: default sampling from generation_config.json; vllm: ignore it
@@ -154,7 +154,9 @@ class Config:
         _check(self.kv_cache_dtype == "auto" or self.attention_backend != "flash_attn",
                "kv_cache_dtype='fp8' runs on minivllm's own kernels, not flash_attn: pick attention_backend "
                "'triton' or 'torch'")
-        self.attention_backend = select_backend(self.device, self.block_size, self.attention_backend)
+        requested = self.attention_backend   # one backend for both phases, or None: each phase's faster (notebook 05)
+        self.attention_backend = select_backend(self.device, self.block_size, requested, self.cache_dtype, "decode")
+        self.prefill_backend = select_backend(self.device, self.block_size, requested, self.cache_dtype, "prefill")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> Config:

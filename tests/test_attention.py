@@ -305,7 +305,8 @@ def test_select_backend(monkeypatch):
     assert select_backend("cpu", 16, "torch") == "torch"
     with pytest.raises(ValueError, match="unknown attention backend 'fast'.*torch, triton, flash_attn"):
         select_backend("cpu", 16, "fast")
-    with pytest.raises(ValueError, match="'flash_attn' is not available here.*choices: torch, triton, flash_attn"):
+    with pytest.raises(ValueError, match="'flash_attn' is not available here: flash-attn needs a CUDA device, got cpu "
+                                         r"\(choices: torch, triton, flash_attn"):
         select_backend("cpu", 16, "flash_attn")
     monkeypatch.setenv(BACKEND_ENV, "nope")
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
@@ -319,15 +320,72 @@ def test_select_backend(monkeypatch):
         select_backend("cpu", 16, "triton")
 
 
+def test_select_backend_rejects_an_unknown_phase():
+    with pytest.raises(ValueError, match="unknown phase 'both': choose one of decode, prefill"):
+        select_backend("cpu", 16, phase="both")
+
+
+def test_the_measured_table_prefers_triton_for_decode_and_flash_attn_for_prefill():
+    assert backends.faster("decode") == "triton" and backends.faster("prefill") == "flash_attn"
+    for phase, shapes in backends.MEASURED_US.items():
+        assert phase in backends.PHASES and len(shapes) >= 5
+        assert all(triton > 0 and flash > 0 for triton, flash in shapes.values())
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    "A CUDA device of a given compute capability with a given flash-attn version, on any machine."
+    def fake(version: int | None, capability: tuple[int, int] = (9, 0)):
+        monkeypatch.setattr(backends, "flash_attn_version", lambda: version)
+        monkeypatch.setattr(backends, "cuda_capability", lambda device: capability)
+        monkeypatch.setattr(backends, "INTERPRET", False)
+    return fake
+
+
+def test_auto_picks_each_phase_faster_backend_where_flash_attn_4_runs(fake_gpu):
+    fake_gpu(4)
+    bf16 = dict(dtype=torch.bfloat16)
+    assert select_backend("cuda", 16, phase="decode", **bf16) == "triton"
+    assert select_backend("cuda", 16, phase="prefill", **bf16) == "flash_attn"   # any block size
+    assert select_backend("cuda", 16, "flash_attn", phase="decode", **bf16) == "flash_attn"   # asked for: both phases
+    assert select_backend("cuda", 16, "triton", phase="prefill", **bf16) == "triton"
+    for dtype in (torch.float32, torch.float8_e4m3fn):   # flash-attn computes in 16 bits only
+        assert select_backend("cuda", 16, dtype=dtype, phase="prefill") == "triton"
+    with pytest.raises(ValueError, match="flash-attn computes in float16 or bfloat16, not float32"):
+        select_backend("cuda", 16, "flash_attn", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("version, capability, block_size, reason", [
+    (None, (9, 0), 16, r"flash-attn is not installed \(pip install flash-attn-4 on Hopper or Blackwell GPUs"),
+    (4, (8, 0), 16, r"flash-attn-4 needs a Hopper or Blackwell GPU \(compute capability 9.0\+\), got 8.0"),
+    (2, (8, 0), 16, r"flash-attn 2's paged KV needs block_size % 256 == 0, got 16 \(flash-attn-4 takes any"),
+])
+def test_where_flash_attn_cannot_run_auto_falls_back_and_a_request_says_why(fake_gpu, version, capability,
+                                                                            block_size, reason):
+    fake_gpu(version, capability)
+    assert select_backend("cuda", block_size, dtype=torch.bfloat16, phase="prefill") == "triton"
+    with pytest.raises(ValueError, match=reason):
+        select_backend("cuda", block_size, "flash_attn", dtype=torch.bfloat16)
+
+
+def test_flash_attn_2_runs_on_blocks_of_256(fake_gpu):
+    fake_gpu(2, (8, 0))
+    assert select_backend("cuda", 256, dtype=torch.float16, phase="prefill") == "flash_attn"
+    assert select_backend("cuda", 256, dtype=torch.float16, phase="decode") == "triton"
+
+
 @pytest.mark.gpu
 def test_select_backend_on_cuda():
-    expect_flash = flash_attn_available()
-    assert select_backend("cuda", 256) == ("flash_attn" if expect_flash else "triton")
-    assert select_backend("cuda", 16) == "triton"            # flash-attn's paged KV needs block_size % 256 == 0
-    assert select_backend("cuda", None) == ("flash_attn" if expect_flash else "triton")
-    reason = "block_size % 256" if expect_flash else "flash_attn is not importable"
-    with pytest.raises(ValueError, match=reason):
-        select_backend("cuda", 16, "flash_attn")
+    version = backends.flash_attn_version()
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    flash_prefill = version == 4 and hopper
+    assert select_backend("cuda", 16, dtype=torch.bfloat16, phase="decode") == "triton"
+    assert select_backend("cuda", 16, dtype=torch.bfloat16, phase="prefill") == ("flash_attn" if flash_prefill
+                                                                                   else "triton")
+    assert select_backend("cuda", 16, dtype=torch.float32, phase="prefill") == "triton"
+    if version is None:
+        with pytest.raises(ValueError, match="flash-attn is not installed"):
+            select_backend("cuda", 16, "flash_attn", dtype=torch.bfloat16)
 
 
 # ---------------------------------------------------------------- the layer
@@ -365,6 +423,25 @@ def test_attention_layer_without_cache(backend):
     torch.testing.assert_close(attn(step.q, step.k, step.v, meta).cpu(), step.dense(), **TOL)
 
 
+def test_attention_layer_runs_decode_steps_on_backend_and_the_others_on_prefill_backend(monkeypatch):
+    import minivllm.layers.attention as attention
+    used, real = [], attention.paged_attention
+
+    def recording(*args):
+        used.append(args[-1])   # the backend it was called with
+        return real(*args)
+
+    monkeypatch.setattr(attention, "paged_attention", recording)
+    decode = Step([1, 1], [5, 9], 4, heads=4, kv_heads=2, seed=3, device=DEVICE)
+    mixed = Step(MIXED["q_lens"], MIXED["ctx_lens"], 4, heads=4, kv_heads=2, seed=4, device=DEVICE)
+    attn = Attention(4, 8, decode.scale, 2, backend="triton", prefill_backend="torch")
+    assert "backend=triton, prefill_backend=torch" in repr(attn)
+    for step in (decode, mixed):
+        attn.k_cache, attn.v_cache = step.k_cache, step.v_cache
+        torch.testing.assert_close(attn(step.q, step.k, step.v, step.ctx).cpu(), step.dense(), **TOL)
+    assert used == ["triton", "torch"]
+
+
 def test_attention_is_an_nn_module_without_cache_state():
     attn = Attention(16, 128, 128 ** -0.5, 8)
     assert list(attn.state_dict()) == [] and attn.k_cache is None and attn.v_cache is None   # the engine sets them
@@ -374,11 +451,14 @@ def test_attention_is_an_nn_module_without_cache_state():
 # ---------------------------------------------------------------- flash-attn (GPU, when installed)
 
 @pytest.mark.gpu
-def test_flash_attn_backend_matches_reference():
-    pytest.importorskip("flash_attn")
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_flash_attn_backend_matches_reference(block_size):
+    version = backends.flash_attn_version()
+    if version is None or (version == 2 and block_size % 256):
+        pytest.skip(f"flash-attn {version or 'absent'}: no paged cache of blocks of {block_size}")
     bf16 = dict(atol=2e-2, rtol=2e-2)
-    for q_lens, ctx_lens in [(MIXED["q_lens"], MIXED["ctx_lens"]), ([1, 1, 1], [300, 5, 1000])]:
-        step = Step(q_lens, ctx_lens, 256, heads=16, kv_heads=8, dim=128, seed=12, device="cuda")
+    for q_lens, ctx_lens in [(MIXED["q_lens"], MIXED["ctx_lens"]), ([1, 1, 1], [300, 5, 1000]), ([700], [700])]:
+        step = Step(q_lens, ctx_lens, block_size, heads=16, kv_heads=8, dim=128, seed=12, device="cuda")
         for name in ("k_cache", "v_cache", "q", "k", "v"):
             setattr(step, name, getattr(step, name).to(torch.bfloat16))
         outs = {}
@@ -387,6 +467,10 @@ def test_flash_attn_backend_matches_reference():
             attn.k_cache, attn.v_cache = step.k_cache.clone(), step.v_cache.clone()
             outs[backend] = attn(step.q, step.k, step.v, step.ctx).float()
         torch.testing.assert_close(outs["flash_attn"], outs["torch"], **bf16)
+        no_cache = Attention(16, 128, step.scale, 8, backend="flash_attn")   # the warm-up's path: K/V token by token
+        whole = [t.to(torch.bfloat16) for t in step.full[0]]
+        torch.testing.assert_close(no_cache(*[t.cuda() for t in whole]).float().cpu(),
+                                   dense_causal(*[t.float() for t in whole], step.scale), **bf16)
 
 
 def test_torch_decode_ignores_stale_values_in_unwritten_slots():

@@ -361,6 +361,27 @@ def test_gpu_engine_gives_its_tokens_after_a_cpu_engine_and_memory_churn():
 
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
+def test_gpu_flash_attn_gives_the_tokens_of_the_triton_kernels():
+    "bfloat16 (flash-attn's dtypes): flash-attn for prefill only (the automatic choice), and for both phases."
+    from minivllm.kernels.backends import flash_attn_version
+    if flash_attn_version() != 4 or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs flash-attn-4 on a Hopper or Blackwell GPU")
+    params = SamplingParams(temperature=0, max_tokens=32)
+    bf16 = {**GPU_ENGINE, "dtype": "bfloat16", "max_num_seqs": 16}
+    tokens = {}
+    for name, backend in [("triton", "triton"), ("auto", None), ("flash_attn", "flash_attn")]:
+        with LLM(TINY_MODEL_PATH, **bf16, attention_backend=backend) as llm:
+            config = llm.llm_engine.config
+            tokens[name] = token_ids(llm.generate(GPU_PROMPTS, params, use_tqdm=False))
+            tokens[name + " again"] = token_ids(llm.generate(GPU_PROMPTS, params, use_tqdm=False))   # CUDA graphs
+        if name == "auto":
+            assert (config.attention_backend, config.prefill_backend) == ("triton", "flash_attn")
+    assert all(tokens[name] == tokens["triton"] for name in tokens), {
+        name: sum(a == b for a, b in zip(t, tokens["triton"])) for name, t in tokens.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
 def test_interleaved_gpu_engines_of_different_shapes_each_give_their_own_tokens():
     check_interleaved_engines_give_their_own_tokens({**GPU_ENGINE, "max_num_seqs": 8, "block_size": 16},
                                                     {**GPU_ENGINE, "max_num_seqs": 32, "block_size": 32})

@@ -154,6 +154,8 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 8, 512, 64, 132) == 2             # never fewer than 4 tiles per split
     assert choose_num_splits(1, 1, 10 ** 6, 64, 132) == MAX_SPLITS
     assert choose_num_splits(4, 8, 16, 64, 132) == 1
+    assert choose_num_splits(32, 8, 4096, 64, 132) == 6          # 3 (4 programs per SM) doubled: measured faster
+    assert choose_num_splits(64, 8, 4096, 64, 132) == 4          # 2, doubled
 
 
 def test_decode_rejects_mismatched_shapes():

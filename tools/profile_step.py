@@ -2,6 +2,7 @@
 
     python tools/profile_step.py [--model PATH] [--batch 256] [--context 1024] [--steps 8] [--eager]
     python tools/profile_step.py --shared-prefix 1024 --context 300    # prompts = one shared 1,024-token prefix + 300
+    python tools/profile_step.py --kv-cache-dtype fp8 --attention-backend triton   # an 8-bit cache, Triton kernels only
 
 Builds an LLM on the model (default: Qwen3-0.6B with random weights, see minivllm.bench), admits `--batch` requests
 of `--context` random prompt tokens, runs until every prompt is prefilled, then profiles `--steps` decode steps.
@@ -81,9 +82,12 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with (prefix caching)")
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    ap.add_argument("--attention-backend", choices=["torch", "triton", "flash_attn"], default=None)
     args = ap.parse_args()
     model = args.model or random_qwen3_folder("/tmp/minivllm-qwen3-0.6b-random")
-    llm = LLM(model, skip_tokenizer_init=True, enforce_eager=args.eager, max_model_len=4096)
+    llm = LLM(model, skip_tokenizer_init=True, enforce_eager=args.eager, max_model_len=4096,
+              kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend)
     engine = llm.llm_engine
     random.seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps * 4 + 64, ignore_eos=True)

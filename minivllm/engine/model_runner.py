@@ -58,7 +58,7 @@ class ModelRunner:
                                  config.load_format, config.seed)
         try:   # a failure from here on (a cache too small, out of memory) must not keep the weights alive
             for layer in attention_layers(self.model):
-                layer.backend = config.attention_backend
+                layer.backend, layer.prefill_backend = config.attention_backend, config.prefill_backend
             self.sampler = Sampler()
             self.sampling = SamplingCache(self.device, config.seed, config.hf_config.vocab_size, config.eos_token_ids)
             self.num_blocks = num_kv_blocks(config, kv_budget(self.model, config, self.device, tp))

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
+import math
 import os
 
 import torch
@@ -12,51 +14,106 @@ import torch
 # Triton reads TRITON_INTERPRET once, when a kernel is defined (at import): so do we.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 BACKENDS = ("torch", "triton", "flash_attn")
+PHASES = ("decode", "prefill")   # decode-only steps; every other step (prefill chunks, mixed steps)
 BACKEND_ENV = "MINIVLLM_ATTENTION_BACKEND"
-FLASH_ATTN_PAGE_MULTIPLE = 256   # flash-attn's paged KV needs block_size % 256 == 0
+FLASH_ATTN_PAGE_MULTIPLE = 256   # flash-attn 2's paged KV needs block_size % 256 == 0 (flash-attn-4: any size)
+FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_ATTN_INSTALL = "pip install flash-attn-4 on Hopper or Blackwell GPUs; flash-attn 2 builds from source"
 
 
 @functools.cache   # what is installed does not change while the process runs
+def flash_attn_version() -> int | None:
+    "4 for flash-attn-4 (`flash_attn.cute`), 2 for flash-attn 2, None when neither imports."
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    for version, module, name in ((4, "flash_attn.cute", "flash_attn_varlen_func"),
+                                  (2, "flash_attn", "flash_attn_with_kvcache")):
+        try:
+            if hasattr(importlib.import_module(module), name):
+                return version
+        except Exception:  # not installed, or built for another torch / CUDA
+            pass
+    return None
+
+
 def flash_attn_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except Exception:  # not installed, or built for another torch / CUDA
-        return False
-    return True
+    return flash_attn_version() is not None
 
 
-def _unavailable_reason(backend: str, device: torch.device, block_size: int | None) -> str | None:
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+# %% auto #0
+__all__ = ['INTERPRET', 'BACKENDS', 'PHASES', 'BACKEND_ENV', 'FLASH_ATTN_PAGE_MULTIPLE', 'FLASH_ATTN_DTYPES',
+           'FLASH_ATTN_INSTALL', 'MEASURED_US', 'flash_attn_version', 'flash_attn_available', 'cuda_capability',
+           'faster', 'select_backend']
+
+# %% ../../notebooks/05_paged_attention.ipynb #f8e4897a
+def _flash_attn_reason(device: torch.device, block_size: int | None, dtype: torch.dtype | None) -> str | None:
+    if device.type != "cuda":
+        return f"flash-attn needs a CUDA device, got {device.type}"
+    version = flash_attn_version()
+    if version is None:
+        return f"flash-attn is not installed ({FLASH_ATTN_INSTALL})"
+    if dtype is not None and dtype not in FLASH_ATTN_DTYPES:
+        return f"flash-attn computes in float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if version == 4 and cuda_capability(device)[0] < 9:
+        major, minor = cuda_capability(device)
+        return f"flash-attn-4 needs a Hopper or Blackwell GPU (compute capability 9.0+), got {major}.{minor}"
+    if version == 2 and block_size is not None and block_size % FLASH_ATTN_PAGE_MULTIPLE:
+        return (f"flash-attn 2's paged KV needs block_size % {FLASH_ATTN_PAGE_MULTIPLE} == 0, got {block_size} "
+                f"(flash-attn-4 takes any block size)")
+    return None
+
+
+def _unavailable_reason(backend: str, device: torch.device, block_size: int | None,
+                        dtype: torch.dtype | None = None) -> str | None:
     if backend == "triton" and importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     if backend == "triton" and device.type != "cuda" and not INTERPRET:
         return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1), got {device.type}"
     if backend == "flash_attn":
-        if device.type != "cuda":
-            return f"flash-attn needs a CUDA device, got {device.type}"
-        if not flash_attn_available():
-            return "flash_attn is not importable"
-        if block_size is not None and block_size % FLASH_ATTN_PAGE_MULTIPLE:
-            return f"flash-attn's paged KV needs block_size % {FLASH_ATTN_PAGE_MULTIPLE} == 0, got {block_size}"
+        return _flash_attn_reason(device, block_size, dtype)
     return None
 
-# %% auto #0
-__all__ = ['INTERPRET', 'BACKENDS', 'BACKEND_ENV', 'FLASH_ATTN_PAGE_MULTIPLE', 'flash_attn_available', 'select_backend']
+# %% ../../notebooks/05_paged_attention.ipynb #8a4ad7ba
+# Notebook 06's side by side on one H200 (flash-attn-4 4.0.0b36, Triton 3.6): microseconds per call, bfloat16,
+# 16 query / 8 KV heads of 128, blocks of 16, each sequence's blocks scattered over the cache.
+MEASURED_US = {
+    "decode": {   # (batch, context): (triton, flash_attn)
+        (1, 1024): (60.2, 69.7), (1, 8192): (49.5, 140.2), (8, 4096): (52.7, 70.8), (32, 1024): (55.7, 58.5),
+        (32, 4096): (183.6, 154.7), (64, 1024): (92.3, 96.7), (256, 1024): (265.8, 386.0),
+        (256, 4096): (997.4, 1312.3)},
+    "prefill": {  # (batch, new tokens each, context): (triton, flash_attn)
+        (1, 2048, 2048): (115.8, 168.1), (1, 16384, 16384): (4163.7, 1928.3), (4, 2048, 4096): (885.8, 387.4),
+        (8, 512, 2048): (276.5, 125.5), (1, 1024, 8192): (298.1, 172.4)},
+}
+
+
+def faster(phase: str) -> str:
+    "The measured backend of `phase` with the smaller geometric-mean time over the measured shapes."
+    log_ratio = sum(math.log(flash / triton) for triton, flash in MEASURED_US[phase].values())
+    return "flash_attn" if log_ratio < 0 else "triton"
 
 # %% ../../notebooks/05_paged_attention.ipynb #a84e5c83
-def select_backend(device: torch.device | str, block_size: int | None = None, requested: str | None = None) -> str:
-    "The attention backend for `device` and `block_size`: `requested`, else MINIVLLM_ATTENTION_BACKEND, else auto."
+def select_backend(device: torch.device | str, block_size: int | None = None, requested: str | None = None,
+                   dtype: torch.dtype | None = None, phase: str = "decode") -> str:
+    "The attention backend of `phase` on `device`: `requested`, else MINIVLLM_ATTENTION_BACKEND, else the faster."
     device, requested = torch.device(device), requested or os.environ.get(BACKEND_ENV) or "auto"
     if requested not in BACKENDS + ("auto",):
         raise ValueError(f"unknown attention backend {requested!r}: choose one of {', '.join(BACKENDS)} (or auto)")
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}: choose one of {', '.join(PHASES)}")
     if requested != "auto":
-        reason = _unavailable_reason(requested, device, block_size)
+        reason = _unavailable_reason(requested, device, block_size, dtype)
         if reason:
             raise ValueError(f"attention backend {requested!r} is not available here: {reason} (choices: "
                              f"{', '.join(BACKENDS)} or auto, by {BACKEND_ENV} or attention_backend=...)")
         return requested
     if device.type != "cuda":
         return "torch"
-    for backend in ("flash_attn", "triton"):
-        if _unavailable_reason(backend, device, block_size) is None:
+    preferred = faster(phase)
+    for backend in (preferred, "triton" if preferred == "flash_attn" else "flash_attn"):
+        if _unavailable_reason(backend, device, block_size, dtype) is None:
             return backend
     return "torch"

@@ -56,4 +56,45 @@ def bench_decode(batch: int = 256, context: int = 1024, num_heads: int = 16, num
     return dict(ms=ms, bytes=nbytes, gbps=nbytes / ms / 1e6)
 
 # %% auto #0
-__all__ = ['bench_copy', 'bench_decode']
+__all__ = ['bench_copy', 'bench_decode', 'paged_case', 'bench_attention']
+
+# %% ../../notebooks/06_attention_kernels.ipynb #0c20405b
+from .paged_prefill import paged_prefill_attention
+
+
+def paged_case(batch: int, context: int, new: int = 1, num_heads: int = 16, num_kv_heads: int = 8,
+               head_dim: int = 128, block_size: int = 16, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+               seed: int = 0) -> dict:
+    "A random paged cache of `batch` sequences of `context` tokens, and a step of each one's last `new` tokens."
+    gen = torch.Generator(device=device).manual_seed(seed)
+    blocks = batch * triton.cdiv(context, block_size)
+    shape = (blocks, block_size, num_kv_heads, head_dim)
+    perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(seed))   # blocks scattered in memory
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    return dict(q=torch.randn(batch * new, num_heads, head_dim, generator=gen, device=device, dtype=dtype),
+                k_cache=torch.randn(shape, generator=gen, device=device, dtype=dtype),
+                v_cache=torch.randn(shape, generator=gen, device=device, dtype=dtype),
+                cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=device) * new,
+                cu_seqlens_k=torch.arange(batch + 1, dtype=torch.int32, device=device) * context,
+                context_lens=lens, block_tables=perm.view(batch, -1).to(device, torch.int32),
+                max_seqlen_q=new, max_seqlen_k=context, scale=head_dim ** -0.5)
+
+
+def bench_attention(backend: str, batch: int, context: int, new: int = 1, **case_options) -> dict:
+    "Microseconds of one backend's (triton | flash_attn) paged attention on a `paged_case`."
+    _check_cuda(case_options.get("device", "cuda"))
+    c = paged_case(batch, context, new, **case_options)
+    args = c["q"], c["k_cache"], c["v_cache"]
+    if backend == "flash_attn":
+        from minivllm.kernels.flash_attention import flash_paged_attention
+        run = lambda: flash_paged_attention(*args, c["cu_seqlens_q"], c["cu_seqlens_k"], c["context_lens"],  # noqa
+                                            c["block_tables"], new, context, c["scale"])
+    elif backend == "triton" and new == 1:
+        run = lambda: paged_decode_attention(*args, c["context_lens"], c["block_tables"], c["scale"])  # noqa
+    elif backend == "triton":
+        run = lambda: paged_prefill_attention(*args, c["cu_seqlens_q"], c["context_lens"], c["block_tables"],  # noqa
+                                              c["scale"])
+    else:
+        raise ValueError(f"bench_attention times 'triton' or 'flash_attn', got {backend!r}")
+    run()
+    return dict(us=triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") * 1e3)

@@ -16,8 +16,9 @@ from .cascade import (SHARED_BLOCK_M, SHARED_BLOCK_N, SHARED_NUM_STAGES, SHARED_
 from .common import check_device, check_kv_cache, dot_options, next_pow2, online_softmax_update
 
 # %% auto #0
-__all__ = ['DECODE_BLOCK_N', 'DECODE_NUM_WARPS', 'DECODE_NUM_STAGES', 'MIN_TILES_PER_SPLIT', 'MAX_SPLITS', 'num_sms',
-           'choose_num_splits', 'DecodeLaunch', 'plan_decode', 'paged_decode_attention']
+__all__ = ['DECODE_BLOCK_N', 'DECODE_NUM_WARPS', 'DECODE_NUM_STAGES', 'DECODE_BLOCK_N_8BIT', 'DECODE_NUM_STAGES_8BIT',
+           'MIN_TILES_PER_SPLIT', 'MAX_SPLITS', 'num_sms', 'choose_num_splits', 'DecodeLaunch', 'plan_decode',
+           'paged_decode_attention']
 
 # %% ../../notebooks/06_attention_kernels.ipynb #bf5eeb9b
 @triton.jit(do_not_specialize=["num_splits", "num_parts", "stride_bt"])
@@ -113,6 +114,7 @@ def _fold_parts(m_i, l_i, acc, part_out_ptr, part_lse_ptr, first, count, dims, r
 DECODE_BLOCK_N = 64      # KV positions per tile: 4 blocks of 16, or a quarter of a block of 256
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3    # software pipelining: block ids fetched 2 tiles ahead, K/V 1 tile ahead
+DECODE_BLOCK_N_8BIT, DECODE_NUM_STAGES_8BIT = 128, 2   # an 8-bit cache: wider tiles, 2 stages (8-bit section)
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 64
 
@@ -132,6 +134,8 @@ def num_sms(device: torch.device) -> int:
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, sms: int) -> int:
     "Split each sequence's KV so that about 4 programs per SM run, with at least MIN_TILES_PER_SPLIT tiles each."
     wanted = -(-4 * sms // max(batch * num_kv_heads, 1))
+    if wanted in (2, 3):   # 2 or 3 long pieces per sequence measured slower than twice as many (the GPU section)
+        wanted *= 2
     most = max(1, triton.cdiv(triton.cdiv(max_context, block_n), MIN_TILES_PER_SPLIT))
     return max(1, min(wanted, most, MAX_SPLITS))
 
@@ -193,7 +197,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (batch, num_heads, head_dim), (_, page_size, num_kv_heads, _) = q.shape, k_cache.shape
     if batch == 0:
         return out
-    block_n, cascade = block_n or DECODE_BLOCK_N, shared_prefix_len is not None
+    eight_bit, cascade = k_cache.element_size() == 1, shared_prefix_len is not None
+    block_n = block_n or (DECODE_BLOCK_N_8BIT if eight_bit else DECODE_BLOCK_N)
+    num_stages = num_stages or (DECODE_NUM_STAGES_8BIT if eight_bit else DECODE_NUM_STAGES)
     plan = plan_decode(batch, num_heads, num_kv_heads, block_tables.shape[1] * page_size, num_sms(q.device),
                        cascade, block_n, num_splits)
     parts = (batch, num_heads, plan.num_parts) if plan.num_parts > 1 else None   # float32 partial results, if any
@@ -214,7 +220,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *sk[:3], *sv[:3], block_tables.stride(0),
         GROUP_PAD=max(16, plan.group_pad), BLOCK_N=block_n, USE_SPLITS=plan.use_splits, CASCADE=cascade,
         FOLD_PREFIX=plan.fold_prefix, **common,
-        num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages or DECODE_NUM_STAGES)
+        num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages)
     if plan.use_splits:
         _merge_splits_kernel[(num_heads, batch)](
             out, part_out, part_lse, plan.num_parts, out.stride(0), out.stride(1), NUM_Q_HEADS=num_heads,

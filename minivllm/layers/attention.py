@@ -65,15 +65,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             return paged_decode_torch(q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale)
         return paged_attention_torch(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
                                      scale)
-    if backend == "flash_attn":
-        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-        if meta.is_decode_only:
-            return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
-                                           block_table=meta.block_tables, softmax_scale=scale, causal=True).squeeze(1)
-        return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q,
-                                      cu_seqlens_k=meta.cu_seqlens_k, max_seqlen_q=meta.max_seqlen_q,
-                                      max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale, causal=True,
-                                      block_table=meta.block_tables)
+    if backend == "flash_attn":   # flash-attn-4 or 2, whichever is installed (next section)
+        from minivllm.kernels.flash_attention import flash_paged_attention
+        return flash_paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.context_lens,
+                                     meta.block_tables, meta.max_seqlen_q, meta.max_seqlen_k, scale)
     if meta.is_decode_only:
         from minivllm.kernels.paged_decode import paged_decode_attention
         return paged_decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale,
@@ -92,9 +87,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     if backend == "torch":
         return varlen_attention_torch(q, k, v, cu_q, cu_k, scale)
     if backend == "flash_attn":
-        from flash_attn import flash_attn_varlen_func
-        return flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=meta.max_seqlen_q,
-                                      max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale, causal=True)
+        from minivllm.kernels.flash_attention import flash_varlen_attention
+        return flash_varlen_attention(q, k, v, cu_q, cu_k, meta.max_seqlen_q, meta.max_seqlen_k, scale)
     from minivllm.kernels.paged_prefill import varlen_prefill_attention
     return varlen_prefill_attention(q, k, v, cu_q, cu_k, scale)
 
@@ -102,20 +96,23 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
 class Attention(nn.Module):
     "Paged causal attention: writes the step's K/V into the cache (the engine sets `k_cache`, `v_cache`), then attends."
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, backend: str = "torch"):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, backend: str = "torch",
+                 prefill_backend: str | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
-        self.scale, self.backend = float(scale), backend
+        self.scale, self.backend, self.prefill_backend = float(scale), backend, prefill_backend or backend
         self.k_cache = self.v_cache = None
 
     def extra_repr(self) -> str:
+        prefill = f", prefill_backend={self.prefill_backend}" if self.prefill_backend != self.backend else ""
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"scale={self.scale:.4g}, backend={self.backend}")
+                f"scale={self.scale:.4g}, backend={self.backend}{prefill}")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata | None = None) -> torch.Tensor:
         "q [N, heads, dim], k and v [N, kv_heads, dim] -> [N, heads, dim]."
         if self.k_cache is None:   # no cache yet (a model checked on its own, the warm-up step)
-            return varlen_attention(q, k, v, meta, self.scale, self.backend)
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.backend)
-        return paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.backend)
+            return varlen_attention(q, k, v, meta, self.scale, self.prefill_backend)
+        backend = self.backend if meta.is_decode_only else self.prefill_backend
+        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend)
+        return paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, backend)
