@@ -30,6 +30,8 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "checks), dummy_checkpoint (whole tensors seeded by name, so every tensor-parallel size gets the same model)": 35,
     "issues 16/18 (part), the CPU path: reuse_freed_memory (glibc keeps freed memory for reuse), the CPU KV cache "
     "from the system's zero pages (so the CPU decode needs no pass that zeroes the values past each end)": 38,
+    "issue 22, flash-attn-4: its paged and varlen calls (kernels/flash_attention.py), the backend chosen per phase "
+    "from a table of measurements, the version and capability checks with their errors, prefill_backend": 108,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

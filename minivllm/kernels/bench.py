@@ -27,10 +27,11 @@ def bench_copy(nbytes: int = 4 << 30, device: str = "cuda") -> dict:
 def bench_decode(batch: int = 256, context: int = 1024, num_heads: int = 16, num_kv_heads: int = 8,
                  head_dim: int = 128, block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
                  device: str = "cuda", seed: int = 0, shared_prefix: int = 0, cascade: bool = False,
-                 cache_dtype: torch.dtype | None = None, **kernel_options) -> dict:
+                 cache_dtype: torch.dtype | None = None, cuda_graph: bool = False, **kernel_options) -> dict:
     """Time the paged decode kernel on a cache of random, scattered blocks; its achieved bandwidth in GB/s. With
     `shared_prefix`, every sequence's first `shared_prefix` tokens sit in the same blocks; `cascade` reads them once.
-    (The bandwidth always counts every sequence's whole context, as plain decode reads it.)"""
+    (The bandwidth always counts every sequence's whole context, as plain decode reads it.) `cuda_graph` times replays
+    of a CUDA graph, as the engine runs decode: without the launcher's host work, which small steps otherwise show."""
     _check_cuda(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq, shared = triton.cdiv(context, block_size), shared_prefix // block_size
@@ -50,7 +51,10 @@ def bench_decode(batch: int = 256, context: int = 1024, num_heads: int = 16, num
     run = lambda: paged_decode_attention(q, k_cache, v_cache, context_lens, block_tables, head_dim ** -0.5,  # noqa
                                          out=out, shared_prefix_len=prefix, **kernel_options)
     run()
-    ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
+    if cuda_graph:
+        ms = triton.testing.do_bench_cudagraph(run, rep=200, return_mode="median")
+    else:
+        ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
     elem, cache_elem = q.element_size(), k_cache.element_size()
     nbytes = 2 * batch * context * num_kv_heads * head_dim * cache_elem + 2 * q.numel() * elem + block_tables.numel() * 4
     return dict(ms=ms, bytes=nbytes, gbps=nbytes / ms / 1e6)

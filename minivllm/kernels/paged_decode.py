@@ -132,10 +132,8 @@ def num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, sms: int) -> int:
-    "Split each sequence's KV so that about 4 programs per SM run, with at least MIN_TILES_PER_SPLIT tiles each."
-    wanted = -(-4 * sms // max(batch * num_kv_heads, 1))
-    if wanted in (2, 3):   # 2 or 3 long pieces per sequence measured slower than twice as many (the GPU section)
-        wanted *= 2
+    "Split each sequence's KV so that at most 4 programs per SM run, with at least MIN_TILES_PER_SPLIT tiles each."
+    wanted = 4 * sms // max(batch * num_kv_heads, 1)   # rounded down: no partial second wave (the GPU section)
     most = max(1, triton.cdiv(triton.cdiv(max_context, block_n), MIN_TILES_PER_SPLIT))
     return max(1, min(wanted, most, MAX_SPLITS))
 
