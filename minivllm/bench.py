@@ -145,8 +145,8 @@ def environment() -> dict:
     if torch.cuda.is_available():
         env.update(gpu=torch.cuda.get_device_name(), gpu_count=torch.cuda.device_count())
     from minivllm.kernels.backends import flash_attn_version
-    if flash_attn_version():
-        env.update(flash_attn=flash_attn_version())
+    if version := flash_attn_version():
+        env.update(flash_attn=version)
     return env
 
 

@@ -27,7 +27,7 @@ from minivllm.kernels.torch_attention import (causal_attention_sdpa, decode_grou
                                               paged_attention_torch, paged_decode_torch, store_kvcache_torch,
                                               varlen_attention_torch)
 from minivllm.kernels import backends  # noqa: E402
-from minivllm.kernels.backends import BACKEND_ENV, flash_attn_available, select_backend  # noqa: E402
+from minivllm.kernels.backends import BACKEND_ENV, select_backend  # noqa: E402
 from minivllm.layers.attention import Attention, AttentionMetadata  # noqa: E402
 
 TOL = dict(atol=2e-5, rtol=2e-5)

@@ -36,17 +36,12 @@ def flash_attn_version() -> int | None:
     return None
 
 
-def flash_attn_available() -> bool:
-    return flash_attn_version() is not None
-
-
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 # %% auto #0
 __all__ = ['INTERPRET', 'BACKENDS', 'PHASES', 'BACKEND_ENV', 'FLASH_ATTN_PAGE_MULTIPLE', 'FLASH_ATTN_DTYPES',
-           'FLASH_ATTN_INSTALL', 'MEASURED_US', 'flash_attn_version', 'flash_attn_available', 'cuda_capability',
-           'faster', 'select_backend']
+           'FLASH_ATTN_INSTALL', 'MEASURED_US', 'flash_attn_version', 'cuda_capability', 'faster', 'select_backend']
 
 # %% ../../notebooks/05_paged_attention.ipynb #f8e4897a
 def _flash_attn_reason(device: torch.device, block_size: int | None, dtype: torch.dtype | None) -> str | None:
@@ -57,8 +52,8 @@ def _flash_attn_reason(device: torch.device, block_size: int | None, dtype: torc
         return f"flash-attn is not installed ({FLASH_ATTN_INSTALL})"
     if dtype is not None and dtype not in FLASH_ATTN_DTYPES:
         return f"flash-attn computes in float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
-    if version == 4 and cuda_capability(device)[0] < 9:
-        major, minor = cuda_capability(device)
+    major, minor = cuda_capability(device)
+    if version == 4 and major < 9:
         return f"flash-attn-4 needs a Hopper or Blackwell GPU (compute capability 9.0+), got {major}.{minor}"
     if version == 2 and block_size is not None and block_size % FLASH_ATTN_PAGE_MULTIPLE:
         return (f"flash-attn 2's paged KV needs block_size % {FLASH_ATTN_PAGE_MULTIPLE} == 0, got {block_size} "
