@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..kernels.kept_decode_kv import KeptDecodeKV, paged_decode_kept
 from ..kernels.torch_attention import (
     paged_attention_torch, paged_decode_torch, store_kvcache_torch, varlen_attention_torch)
 
@@ -102,6 +103,7 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale, self.backend, self.prefill_backend = float(scale), backend, prefill_backend or backend
         self.k_cache = self.v_cache = None
+        self.kept = KeptDecodeKV()   # the torch backend's decode batch, kept between steps
 
     def extra_repr(self) -> str:
         prefill = f", prefill_backend={self.prefill_backend}" if self.prefill_backend != self.backend else ""
@@ -115,4 +117,8 @@ class Attention(nn.Module):
             return varlen_attention(q, k, v, meta, self.scale, self.prefill_backend)
         backend = self.backend if meta.is_decode_only else self.prefill_backend
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend)
+        if backend == "torch" and meta.is_decode_only:
+            return paged_decode_kept(q, self.k_cache, self.v_cache, meta.context_lens, meta.block_tables,
+                                     meta.slot_mapping, self.scale, self.kept)
+        self.kept.reset()
         return paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, backend)
