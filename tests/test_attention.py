@@ -26,7 +26,8 @@ from minivllm.kernels.reference import (causal_attention_ref, gather_kv, paged_a
 from minivllm.kernels.torch_attention import (causal_attention_sdpa, decode_groups, gather_padded_kv,  # noqa: E402
                                               paged_attention_torch, paged_decode_torch, store_kvcache_torch,
                                               varlen_attention_torch)
-from minivllm.kernels import backends  # noqa: E402
+from minivllm.kernels import backends, kept_decode_kv  # noqa: E402
+from minivllm.kernels.kept_decode_kv import KeptDecodeKV, paged_decode_kept  # noqa: E402
 from minivllm.kernels.backends import BACKEND_ENV, select_backend  # noqa: E402
 from minivllm.layers.attention import Attention, AttentionMetadata  # noqa: E402
 
@@ -486,3 +487,103 @@ def test_torch_decode_ignores_stale_values_in_unwritten_slots():
     ref = paged_attention_ref(q, k, v, torch.arange(3, dtype=torch.int32), lens, tables, 0.25)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref)
+
+
+class GrowingBatch:
+    "Decode steps of `lens` sequences whose blocks (shuffled, room for `steps` more tokens) are allocated up front."
+
+    def __init__(self, lens, block_size=4, heads=4, kv_heads=2, dim=8, steps=8, seed=0):
+        self.g = torch.Generator().manual_seed(seed)
+        self.lens, self.bs, self.shape = list(lens), block_size, (heads, kv_heads, dim)
+        need = [-(-(n + steps) // block_size) for n in lens]
+        perm = torch.randperm(sum(need) + 1, generator=self.g).tolist()
+        self.tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
+        self.free_block = perm[-1]
+        self.k_cache, self.v_cache = (torch.randn(sum(need) + 1, block_size, kv_heads, dim, generator=self.g)
+                                      for _ in range(2))
+
+    def step(self):
+        "One more token per sequence, stored in the cache: q and the step's metadata."
+        self.lens = [n + 1 for n in self.lens]
+        meta = AttentionMetadata.build([1] * len(self.lens), self.lens, self.tables, self.bs)
+        heads, kv_heads, dim = self.shape
+        k, v = (torch.randn(len(self.lens), kv_heads, dim, generator=self.g) for _ in range(2))
+        store_kvcache_ref(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return torch.randn(len(self.lens), heads, dim, generator=self.g), meta
+
+    def decode(self, kept, q, meta):
+        "The kept decode and the reference on the same step."
+        got = paged_decode_kept(q, self.k_cache, self.v_cache, meta.context_lens, meta.block_tables,
+                                meta.slot_mapping, 0.3, kept)
+        want = paged_attention_ref(q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.context_lens,
+                                   meta.block_tables, 0.3)
+        return got, want
+
+
+def test_kept_decode_kv_appends_while_the_batch_goes_on_and_gathers_anew_on_any_change():
+    batch, kept, appended = GrowingBatch([5, 17, 1, 30, 12, 12, 3], steps=12), KeptDecodeKV(), []
+    changes = {4: lambda: batch.tables[2].__setitem__(0, batch.free_block),    # a block moved
+               6: lambda: (batch.lens.pop(3), batch.tables.pop(3)),            # a sequence left
+               8: lambda: batch.lens.__setitem__(0, batch.lens[0] - 1)}         # not one token longer
+    for i in range(10):
+        changes.get(i, lambda: None)()
+        q, meta = batch.step()
+        appended.append(kept.continues(batch.k_cache, meta.context_lens, meta.block_tables))
+        got, want = batch.decode(kept, q, meta)
+        torch.testing.assert_close(got, want, **TOL)
+    assert appended == [False, True, True, True, False, True, False, True, False, True]
+    assert kept.continues(batch.k_cache, meta.context_lens + 1, meta.block_tables)
+    assert not kept.continues(batch.k_cache.clone(), meta.context_lens + 1, meta.block_tables)   # another cache
+
+
+def test_kept_decode_kv_grows_past_its_headroom_by_gathering_again(monkeypatch):
+    monkeypatch.setattr(kept_decode_kv, "HEADROOM", 2)
+    batch, kept, appended = GrowingBatch([3, 9, 6], steps=12), KeptDecodeKV(), []
+    for _ in range(12):
+        q, meta = batch.step()
+        appended.append(kept.continues(batch.k_cache, meta.context_lens, meta.block_tables))
+        torch.testing.assert_close(*batch.decode(kept, q, meta), **TOL)
+    assert appended.count(False) >= 3 and appended.count(True) >= 6   # rebuilt every few steps, appended between
+    assert kept.k.shape[2] >= max(batch.lens)
+
+
+def test_kept_decode_kv_falls_back_to_the_gather_over_its_budget_or_on_a_padding_slot():
+    batch = GrowingBatch([5, 17, 1, 30])
+    kept = KeptDecodeKV(max_bytes=1)                   # nothing fits: every step gathers, nothing is kept
+    for _ in range(3):
+        q, meta = batch.step()
+        torch.testing.assert_close(*batch.decode(kept, q, meta), **TOL)
+        assert kept.k is None
+    kept = KeptDecodeKV()
+    q, meta = batch.step()
+    batch.decode(kept, q, meta)
+    lens = meta.context_lens.clone()
+    lens[1] = 0                                        # a padding slot: the plain path, and the kept batch is dropped
+    got = paged_decode_kept(q, batch.k_cache, batch.v_cache, lens, meta.block_tables, meta.slot_mapping, 0.3, kept)
+    want = paged_attention_ref(q, batch.k_cache, batch.v_cache, meta.cu_seqlens_q, lens, meta.block_tables, 0.3)
+    torch.testing.assert_close(got, want, **TOL)
+    assert kept.k is None
+
+
+def test_attention_layer_keeps_decode_kv_and_drops_it_on_a_prefill_step():
+    "The torch layer: decode steps keep the batch's K/V; a step with a prefill chunk frees it, and all stay exact."
+    batch = GrowingBatch([5, 17, 30], heads=4, kv_heads=2, dim=8)
+    layer = Attention(4, 8, 0.3, 2)
+    layer.k_cache, layer.v_cache = batch.k_cache, batch.v_cache
+    for _ in range(3):
+        batch.lens = [n + 1 for n in batch.lens]
+        meta = AttentionMetadata.build([1] * 3, batch.lens, batch.tables, batch.bs)
+        q, k, v = (torch.randn(3, h, 8) for h in (4, 2, 2))
+        got = layer(q, k, v, meta)
+        want = paged_attention_ref(q, batch.k_cache, batch.v_cache, meta.cu_seqlens_q, meta.context_lens,
+                                   meta.block_tables, 0.3)
+        torch.testing.assert_close(got, want, **TOL)
+        assert layer.kept.k is not None
+    batch.lens = [n + 2 for n in batch.lens]           # a chunk of 2 tokens for each: not a decode step
+    meta = AttentionMetadata.build([2] * 3, batch.lens, batch.tables, batch.bs)
+    q, k, v = (torch.randn(6, h, 8) for h in (4, 2, 2))
+    got = layer(q, k, v, meta)
+    want = paged_attention_ref(q, batch.k_cache, batch.v_cache, meta.cu_seqlens_q, meta.context_lens,
+                               meta.block_tables, 0.3)
+    torch.testing.assert_close(got, want, **TOL)
+    assert layer.kept.k is None

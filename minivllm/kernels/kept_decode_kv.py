@@ -17,11 +17,12 @@ class KeptDecodeKV:
     float32) and sorted by length: while the batch goes on unchanged, a step appends one token per sequence."""
 
     def __init__(self, max_bytes: int = KEPT_KV_BYTES):
-        self.max_bytes, self.k = max_bytes, None
+        self.max_bytes = max_bytes
+        self.reset()
 
     def reset(self) -> None:
         "Forget the batch (any step that is not its next decode step): frees the memory."
-        self.k = self.v = self.lens = self.tables = self.order = None
+        self.k = self.v = self.lens = self.tables = self.order = self.cache = None
 
     def continues(self, k_cache: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor) -> bool:
         "Is this step the kept batch's next one: the same sequences, one token longer each, on the same blocks?"
@@ -43,7 +44,8 @@ class KeptDecodeKV:
         capacity = -(-(longest + HEADROOM) // block_size) * block_size
         if 2 * kv_heads * len(lens) * capacity * dim * 4 > self.max_bytes:
             return False
-        self.k, self.v = (torch.zeros(kv_heads, len(lens), capacity, dim) for _ in range(2))
+        self.k, self.v = (torch.zeros(kv_heads, len(lens), capacity, dim, device=k_cache.device)
+                          for _ in range(2))
         for kept, cache in [(self.k, k_cache), (self.v, v_cache)]:
             gathered = gather_padded_kv(cache, block_tables[order], longest)
             kept[:, :, :gathered.shape[1]] = gathered.permute(2, 0, 1, 3)
@@ -53,7 +55,7 @@ class KeptDecodeKV:
     def append(self, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         "Copy each sequence's new token (just stored in the cache) to its position in the kept K/V."
-        rank, pos = torch.arange(len(self.order)), (context_lens - 1).long()[self.order]
+        rank, pos = torch.arange(len(self.order), device=k_cache.device), (context_lens - 1).long()[self.order]
         for kept, cache in [(self.k, k_cache), (self.v, v_cache)]:
             new = cache.view(-1, *cache.shape[2:]).index_select(0, slot_mapping[self.order])   # [B, kv_heads, dim]
             kept[:, rank, pos] = new.float().transpose(0, 1)
@@ -68,12 +70,12 @@ def attend_kept(q: torch.Tensor, kept: KeptDecodeKV, scale: float, group_bytes: 
     (num_seqs, num_heads, dim), kv_heads = q.shape, kept.k.shape[0]
     lens = kept.lens[kept.order]
     sorted_lens = lens.tolist()
-    qs = (q[kept.order].float()).view(num_seqs, kv_heads, num_heads // kv_heads, dim).transpose(0, 1)
-    out = torch.empty(kv_heads, num_seqs, num_heads // kv_heads, dim)
+    qs = q[kept.order].float().view(num_seqs, kv_heads, num_heads // kv_heads, dim).transpose(0, 1)
+    out = qs.new_empty(qs.shape)
     budget = max(1, group_bytes // (4 * kv_heads * dim))
     for start, end in decode_groups(sorted_lens, 1, budget):
         length = sorted_lens[end - 1]
-        mask = torch.arange(length) < lens[start:end, None]                    # [group, L]: True = attend
+        mask = torch.arange(length, device=q.device) < lens[start:end, None]   # [group, L]: True = attend
         out[:, start:end] = F.scaled_dot_product_attention(
             qs[:, start:end], kept.k[:, start:end, :length], kept.v[:, start:end, :length],
             attn_mask=mask[None, :, None], scale=scale)
