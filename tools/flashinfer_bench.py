@@ -3,9 +3,9 @@
 The cache is `minivllm.kernels.bench.paged_case` (Qwen3-0.6B's 16 query / 8 KV heads of 128 dims, blocks of 16,
 bfloat16, blocks scattered in memory). FlashInfer reads it as it is: its "NHD" layout of a paged cache is minivllm's
 `[num_blocks, block_size, kv_heads, head_dim]`, the pages of sequence `i` are its block-table row, and the last page
-holds `(context - 1) % block_size + 1` tokens. Decode: `BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)`;
-prefill over a cached prefix: `BatchPrefillWithPagedKVCacheWrapper(causal=True)` (FlashInfer picks its sm90 kernel on
-Hopper). Each output is compared with minivllm's; times are medians in microseconds, launched from Python
+holds `(context - 1) % block_size + 1` tokens (`minivllm.kernels.bench.flashinfer_paged_call`, notebook 06). Decode:
+`BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)`; prefill over a cached prefix:
+`BatchPrefillWithPagedKVCacheWrapper(causal=True)` (FlashInfer picks its sm90 kernel on Hopper). Each output is compared with minivllm's; times are medians in microseconds, launched from Python
 (`triton.testing.do_bench`, the method of notebook 06's side by side) and, for decode, from a CUDA graph
 (`do_bench_cudagraph`: how the engine runs a decode step).
 
@@ -20,33 +20,12 @@ import json
 import torch
 import triton
 
-from minivllm.kernels.bench import bench_attention, paged_case
+from minivllm.kernels.bench import bench_attention, flashinfer_paged_call, paged_case
 from minivllm.kernels.paged_decode import paged_decode_attention
 from minivllm.kernels.paged_prefill import paged_prefill_attention
 
 DECODE = [(batch, context) for batch in (1, 32, 256) for context in (1024, 4096, 8192)]
 PREFILL = [(1, 2048, 2048), (1, 16384, 16384), (4, 2048, 4096), (8, 512, 2048), (1, 1024, 8192)]  # batch, new, ctx
-
-
-def flashinfer_call(case: dict, batch: int, context: int, new: int, workspace: torch.Tensor):
-    "FlashInfer's wrapper planned for the case; returns a function that runs it into a fixed output."
-    import flashinfer
-
-    (_, block_size, kv_heads, head_dim), heads = case["k_cache"].shape, case["q"].shape[1]
-    pages = case["block_tables"].shape[1]
-    indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * pages
-    indices = case["block_tables"].flatten().contiguous()
-    last = torch.full((batch,), (context - 1) % block_size + 1, dtype=torch.int32, device="cuda")
-    kinds = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=case["scale"])
-    if new == 1:
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-        wrapper.plan(indptr, indices, last, heads, kv_heads, head_dim, block_size, pos_encoding_mode="NONE", **kinds)
-    else:
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        wrapper.plan(case["cu_seqlens_q"], indptr, indices, last, heads, kv_heads, head_dim, block_size, causal=True,
-                     **kinds)
-    out = torch.empty_like(case["q"])
-    return lambda: wrapper.run(case["q"], (case["k_cache"], case["v_cache"]), out=out)
 
 
 def triton_call(case: dict, new: int):
@@ -59,7 +38,7 @@ def triton_call(case: dict, new: int):
 
 def side_by_side(batch: int, new: int, context: int, workspace: torch.Tensor, graph: bool) -> dict:
     case = paged_case(batch, context, new)
-    fi, tr = flashinfer_call(case, batch, context, new, workspace), triton_call(case, new)
+    fi, tr = flashinfer_paged_call(case, workspace), triton_call(case, new)
     err = (fi().float() - tr().float()).abs().max().item()
     if graph:
         times = [triton.testing.do_bench_cudagraph(f, rep=100, return_mode="median") * 1e3 for f in (fi, tr)]

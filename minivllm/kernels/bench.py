@@ -60,7 +60,7 @@ def bench_decode(batch: int = 256, context: int = 1024, num_heads: int = 16, num
     return dict(ms=ms, bytes=nbytes, gbps=nbytes / ms / 1e6)
 
 # %% auto #0
-__all__ = ['bench_copy', 'bench_decode', 'paged_case', 'bench_attention']
+__all__ = ['bench_copy', 'bench_decode', 'paged_case', 'bench_attention', 'flashinfer_paged_call']
 
 # %% ../../notebooks/06_attention_kernels.ipynb #0c20405b
 from .paged_prefill import paged_prefill_attention
@@ -102,3 +102,24 @@ def bench_attention(backend: str, batch: int, context: int, new: int = 1, **case
         raise ValueError(f"bench_attention times 'triton' or 'flash_attn', got {backend!r}")
     run()
     return dict(us=triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") * 1e3)
+
+# %% ../../notebooks/06_attention_kernels.ipynb #403497d2
+def flashinfer_paged_call(case: dict, workspace: torch.Tensor | None = None):
+    "FlashInfer's paged attention planned for a `paged_case` (decode if one new token each): a function running it."
+    import flashinfer
+
+    (_, block_size, kv_heads, head_dim), (num_rows, heads, _) = case["k_cache"].shape, case["q"].shape
+    batch, pages = case["block_tables"].shape
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if workspace is None else workspace
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * pages
+    last = (case["context_lens"] - 1) % block_size + 1
+    paging = indptr, case["block_tables"].flatten().contiguous(), last
+    kinds = dict(q_data_type=case["q"].dtype, kv_data_type=case["k_cache"].dtype, sm_scale=case["scale"])
+    if num_rows == batch:
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+        wrapper.plan(*paging, heads, kv_heads, head_dim, block_size, pos_encoding_mode="NONE", **kinds)
+    else:
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        wrapper.plan(case["cu_seqlens_q"], *paging, heads, kv_heads, head_dim, block_size, causal=True, **kinds)
+    out = torch.empty_like(case["q"])
+    return lambda: wrapper.run(case["q"], (case["k_cache"], case["v_cache"]), out=out)
