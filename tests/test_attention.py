@@ -570,20 +570,19 @@ def test_attention_layer_keeps_decode_kv_and_drops_it_on_a_prefill_step():
     batch = GrowingBatch([5, 17, 30], heads=4, kv_heads=2, dim=8)
     layer = Attention(4, 8, 0.3, 2)
     layer.k_cache, layer.v_cache = batch.k_cache, batch.v_cache
-    for _ in range(3):
-        batch.lens = [n + 1 for n in batch.lens]
-        meta = AttentionMetadata.build([1] * 3, batch.lens, batch.tables, batch.bs)
-        q, k, v = (torch.randn(3, h, 8) for h in (4, 2, 2))
+
+    def step(new):
+        "Each sequence computes its next `new` tokens through the layer, checked against the reference."
+        batch.lens = [n + new for n in batch.lens]
+        meta = AttentionMetadata.build([new] * 3, batch.lens, batch.tables, batch.bs)
+        q, k, v = (torch.randn(3 * new, h, 8) for h in (4, 2, 2))
         got = layer(q, k, v, meta)
         want = paged_attention_ref(q, batch.k_cache, batch.v_cache, meta.cu_seqlens_q, meta.context_lens,
                                    meta.block_tables, 0.3)
         torch.testing.assert_close(got, want, **TOL)
+
+    for _ in range(3):
+        step(1)
         assert layer.kept.k is not None
-    batch.lens = [n + 2 for n in batch.lens]           # a chunk of 2 tokens for each: not a decode step
-    meta = AttentionMetadata.build([2] * 3, batch.lens, batch.tables, batch.bs)
-    q, k, v = (torch.randn(6, h, 8) for h in (4, 2, 2))
-    got = layer(q, k, v, meta)
-    want = paged_attention_ref(q, batch.k_cache, batch.v_cache, meta.cu_seqlens_q, meta.context_lens,
-                               meta.block_tables, 0.3)
-    torch.testing.assert_close(got, want, **TOL)
+    step(2)                                            # a chunk of 2 tokens for each: not a decode step
     assert layer.kept.k is None

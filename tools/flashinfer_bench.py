@@ -20,25 +20,15 @@ import json
 import torch
 import triton
 
-from minivllm.kernels.bench import bench_attention, flashinfer_paged_call, paged_case
-from minivllm.kernels.paged_decode import paged_decode_attention
-from minivllm.kernels.paged_prefill import paged_prefill_attention
+from minivllm.kernels.bench import bench_attention, flashinfer_paged_call, paged_case, triton_paged_call
 
 DECODE = [(batch, context) for batch in (1, 32, 256) for context in (1024, 4096, 8192)]
 PREFILL = [(1, 2048, 2048), (1, 16384, 16384), (4, 2048, 4096), (8, 512, 2048), (1, 1024, 8192)]  # batch, new, ctx
 
 
-def triton_call(case: dict, new: int):
-    args = case["q"], case["k_cache"], case["v_cache"]
-    if new == 1:
-        return lambda: paged_decode_attention(*args, case["context_lens"], case["block_tables"], case["scale"])
-    return lambda: paged_prefill_attention(*args, case["cu_seqlens_q"], case["context_lens"], case["block_tables"],
-                                           case["scale"])
-
-
 def side_by_side(batch: int, new: int, context: int, workspace: torch.Tensor, graph: bool) -> dict:
     case = paged_case(batch, context, new)
-    fi, tr = flashinfer_paged_call(case, workspace), triton_call(case, new)
+    fi, tr = flashinfer_paged_call(case, workspace), triton_paged_call(case)
     err = (fi().float() - tr().float()).abs().max().item()
     if graph:
         times = [triton.testing.do_bench_cudagraph(f, rep=100, return_mode="median") * 1e3 for f in (fi, tr)]

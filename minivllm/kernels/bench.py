@@ -60,7 +60,7 @@ def bench_decode(batch: int = 256, context: int = 1024, num_heads: int = 16, num
     return dict(ms=ms, bytes=nbytes, gbps=nbytes / ms / 1e6)
 
 # %% auto #0
-__all__ = ['bench_copy', 'bench_decode', 'paged_case', 'bench_attention', 'flashinfer_paged_call']
+__all__ = ['bench_copy', 'bench_decode', 'paged_case', 'triton_paged_call', 'bench_attention', 'flashinfer_paged_call']
 
 # %% ../../notebooks/06_attention_kernels.ipynb #0c20405b
 from .paged_prefill import paged_prefill_attention
@@ -84,20 +84,26 @@ def paged_case(batch: int, context: int, new: int = 1, num_heads: int = 16, num_
                 max_seqlen_q=new, max_seqlen_k=context, scale=head_dim ** -0.5)
 
 
+def triton_paged_call(case: dict):
+    "minivllm's Triton paged attention on a `paged_case` (decode if one new token each): a function running it."
+    args = case["q"], case["k_cache"], case["v_cache"]
+    if case["max_seqlen_q"] == 1:
+        return lambda: paged_decode_attention(*args, case["context_lens"], case["block_tables"], case["scale"])
+    return lambda: paged_prefill_attention(*args, case["cu_seqlens_q"], case["context_lens"], case["block_tables"],
+                                           case["scale"])
+
+
 def bench_attention(backend: str, batch: int, context: int, new: int = 1, **case_options) -> dict:
     "Microseconds of one backend's (triton | flash_attn) paged attention on a `paged_case`."
     _check_cuda(case_options.get("device", "cuda"))
     c = paged_case(batch, context, new, **case_options)
-    args = c["q"], c["k_cache"], c["v_cache"]
     if backend == "flash_attn":
         from minivllm.kernels.flash_attention import flash_paged_attention
-        run = lambda: flash_paged_attention(*args, c["cu_seqlens_q"], c["cu_seqlens_k"], c["context_lens"],  # noqa
-                                            c["block_tables"], new, context, c["scale"])
-    elif backend == "triton" and new == 1:
-        run = lambda: paged_decode_attention(*args, c["context_lens"], c["block_tables"], c["scale"])  # noqa
+        run = lambda: flash_paged_attention(c["q"], c["k_cache"], c["v_cache"], c["cu_seqlens_q"],  # noqa: E731
+                                            c["cu_seqlens_k"], c["context_lens"], c["block_tables"], new, context,
+                                            c["scale"])
     elif backend == "triton":
-        run = lambda: paged_prefill_attention(*args, c["cu_seqlens_q"], c["context_lens"], c["block_tables"],  # noqa
-                                              c["scale"])
+        run = triton_paged_call(c)
     else:
         raise ValueError(f"bench_attention times 'triton' or 'flash_attn', got {backend!r}")
     run()
@@ -108,14 +114,14 @@ def flashinfer_paged_call(case: dict, workspace: torch.Tensor | None = None):
     "FlashInfer's paged attention planned for a `paged_case` (decode if one new token each): a function running it."
     import flashinfer
 
-    (_, block_size, kv_heads, head_dim), (num_rows, heads, _) = case["k_cache"].shape, case["q"].shape
+    (_, block_size, kv_heads, head_dim), heads = case["k_cache"].shape, case["q"].shape[1]
     batch, pages = case["block_tables"].shape
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if workspace is None else workspace
     indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * pages
     last = (case["context_lens"] - 1) % block_size + 1
     paging = indptr, case["block_tables"].flatten().contiguous(), last
     kinds = dict(q_data_type=case["q"].dtype, kv_data_type=case["k_cache"].dtype, sm_scale=case["scale"])
-    if num_rows == batch:
+    if case["max_seqlen_q"] == 1:
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
         wrapper.plan(*paging, heads, kv_heads, head_dim, block_size, pos_encoding_mode="NONE", **kinds)
     else:
