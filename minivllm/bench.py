@@ -7,6 +7,7 @@
     python -m minivllm.bench --compare transformers --compare-num-seqs 64 --compare-max-output 256
     python -m minivllm.bench --prefix --out results.json      # + 256 requests sharing a 1,024-token prefix, cache on/off
     python -m minivllm.bench --arch qwen3-30b-a3b             # another architecture, dummy weights made in place
+    python -m minivllm.bench --latency --skip-standard        # one stream alone, a decode step by batch size
     python -m minivllm.bench serve --help                     # the serving benchmark (bench_serve.py)
 """
 from __future__ import annotations
@@ -178,6 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compare-max-output", type=int, default=None)
     ap.add_argument("--prefix", action="store_true", help="the shared-prefix workload, prefix caching on and off")
     ap.add_argument("--skip-standard", action="store_true", help="skip the standard workload")
+    ap.add_argument("--latency", action="store_true", help="one stream alone, and a decode step by batch size")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
     for flag, default in (("--block-size", 16), ("--max-num-seqs", 256), ("--max-num-batched-tokens", 16384),
@@ -212,7 +214,7 @@ class Report:
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #ac6d85ce
 def run_workloads(args: argparse.Namespace, model: str, spec: dict, engine_kwargs: dict, report: Report) -> None:
-    "The standard workload (with its bound), then the side by side with transformers and the shared prefix, if asked."
+    "The standard workload (with its bound), then, if asked, the side by side, the shared prefix, the latency."
     if not args.skip_standard:
         prompts, outs = standard_workload(args.num_seqs, args.max_input, args.max_output, args.seed)
         bound = roofline(spec, list(map(len, prompts)), outs, args.bandwidth, args.flops)
@@ -236,6 +238,9 @@ def run_workloads(args: argparse.Namespace, model: str, spec: dict, engine_kwarg
         report.add(on), report.add(off)
         report.data["prefix_cache_speedup"] = on.output_tok_s / off.output_tok_s
         print(f"prefix caching on / off: {report.data['prefix_cache_speedup']:.2f}x")
+    if args.latency:
+        from minivllm.bench_latency import run_latency
+        report.data["latency"] = run_latency(model, spec, engine_kwargs, args.bandwidth, args.flops)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,6 +77,13 @@ def test_prefix_cache_is_hit_and_outputs_do_not_change(tiny_reference):
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
 
 
+
+def test_the_cpu_runner_packs_every_linear_weight():
+    "On a CPU the runner gives each linear layer and the LM head oneDNN's copy (the greedy tests above run on it)."
+    with LLM(TINY_MODEL_PATH, max_model_len=128) as llm:
+        slots = [m for m in llm.llm_engine.executor.runner.model.modules() if hasattr(m, "packed_weight")]
+        assert len(slots) == 4 * 8 + 1 and all(m.packed_weight is not None for m in slots)
+
 # ---- on a GPU: Qwen3-0.6B's architecture, random weights, float32 ------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                    ReplicatedLinear, RowParallelLinear)
+                                    ReplicatedLinear, RowParallelLinear, cpu_packing_works, pack_for_cpu)
 from minivllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
 
 
@@ -454,3 +454,38 @@ def test_layers_over_a_real_process_group(rank_pool):
     """Two processes, gloo: the layers built with TPGroup(rank, 2, WORLD, WORLD); their collectives give full results.
     (The processes are the session's shared pair, tests/_rank_pool.py: each rank runs _layers_tp_worker.run.)"""
     assert rank_pool.run("_layers_tp_worker", "run", 2, free_port()) == {0: None, 1: None}
+
+
+def test_cpu_packing_is_available_on_this_build():
+    assert cpu_packing_works()
+
+
+def test_packed_linear_layers_compute_f_linear():
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([ReplicatedLinear(48, 40, bias=True), ColumnParallelLinear(48, 64),
+                                  MergedColumnParallelLinear(48, [32, 32]), QKVParallelLinear(48, 8, 4, 2),
+                                  RowParallelLinear(64, 48, bias=True), ParallelLMHead(100, 48)])
+    for p in layers.parameters():
+        p.data.normal_()
+    inputs = [torch.randn(5, 48)] * 4 + [torch.randn(5, 64), torch.randn(2, 3, 48)]
+    with torch.no_grad():
+        plain = [layer(x) for layer, x in zip(layers, inputs)]
+        assert all(layer.packed_weight is None for layer in layers)
+        assert pack_for_cpu(layers) == len(layers)
+        assert all(layer.packed_weight is not None for layer in layers)
+        for layer, x, expected in zip(layers, inputs, plain):
+            assert torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-5), type(layer).__name__
+            bias = getattr(layer, "bias", None)
+            assert torch.allclose(expected, F.linear(x, layer.weight, bias)[..., :expected.shape[-1]], atol=1e-4)
+
+
+def test_pack_for_cpu_leaves_other_dtypes_and_reloads_on_a_second_call():
+    layer, half = ReplicatedLinear(16, 8), ReplicatedLinear(16, 8).to(torch.bfloat16)
+    torch.nn.init.ones_(layer.weight)
+    assert pack_for_cpu(torch.nn.ModuleList([layer, half])) == 1 and half.packed_weight is None
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        layer.weight.weight_loader(layer.weight, torch.full((8, 16), 2.0))
+        assert torch.allclose(layer(x), F.linear(x, torch.ones(8, 16)), atol=1e-5)   # the copy does not follow
+        pack_for_cpu(layer)
+        assert torch.allclose(layer(x), F.linear(x, torch.full((8, 16), 2.0)), atol=1e-5)

@@ -11,6 +11,7 @@ Prints the top kernels by GPU time, the GPU time per step, and the host (CPU) ti
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
 
@@ -18,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from minivllm import LLM, SamplingParams
-from minivllm.bench import random_qwen3_folder
+from minivllm.bench import environment, random_qwen3_folder
 
 
 PHASES = [  # (label, owner, attribute): the host work of one decode step, phase by phase
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     ap.add_argument("--attention-backend", choices=["torch", "triton", "flash_attn"], default=None)
+    ap.add_argument("--out", default=None, help="write the decode step's kernels (per step) to this JSON file")
     args = ap.parse_args()
     model = args.model or random_qwen3_folder("/tmp/minivllm-qwen3-0.6b-random")
     llm = LLM(model, skip_tokenizer_init=True, enforce_eager=args.eager, max_model_len=4096,
@@ -102,7 +104,7 @@ def main() -> None:
     prefill_steps = 2
     events = prof.key_averages()
     print(f"one prefill step ({engine.config.max_num_batched_tokens} tokens): GPU kernels "
-          f"{sum(e.self_device_time_total for e in events) / 1e3:.2f} ms")
+          f"{sum(kernel_us(prof).values()) / 1e3:.2f} ms")
     print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running + list(engine.scheduler.waiting)):
@@ -127,11 +129,48 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    gpu_total = sum(e.self_device_time_total for e in events) / args.steps
-    print(f"GPU time per decode step (sum of kernels): {gpu_total / 1e3:.2f} ms")
+    gpu_total = sum(kernel_us(prof).values()) / args.steps
+    kernels = sum(kernel_launches(prof).values()) / args.steps
+    layers = engine.config.hf_config.num_hidden_layers
+    print(f"GPU time per decode step (sum of kernels): {gpu_total / 1e3:.2f} ms; {kernels:.0f} kernels per step, "
+          f"{kernels / layers:.1f} per layer ({layers} layers)")
     print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    if args.out:
+        write_kernels(args, prof, wall, layers)
     llm.close()
+
+
+def kernel_events(prof) -> list:
+    "The GPU kernels the profiler saw (copies and memsets left out)."
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.startswith(("Memcpy", "Memset"))]
+
+
+def kernel_us(prof) -> dict[str, float]:
+    "GPU microseconds per kernel name (each kernel counted once: key_averages would add the op that launched it too)."
+    us: dict[str, float] = {}
+    for e in kernel_events(prof):
+        us[e.name] = us.get(e.name, 0.0) + e.time_range.end - e.time_range.start
+    return us
+
+
+def kernel_launches(prof) -> dict[str, int]:
+    launches: dict[str, int] = {}
+    for e in kernel_events(prof):
+        launches[e.name] = launches.get(e.name, 0) + 1
+    return launches
+
+
+def write_kernels(args, prof, wall: float, layers: int) -> None:
+    "The profiled decode steps' kernels, per step: name, launches, GPU microseconds (results file for notebook 13)."
+    us, launches = kernel_us(prof), kernel_launches(prof)
+    rows = sorted(({"name": n, "launches": launches[n] / args.steps, "us": t / args.steps} for n, t in us.items()),
+                  key=lambda r: -r["us"])
+    with open(args.out, "w") as f:
+        json.dump(dict(batch=args.batch, context=args.context, steps=args.steps, layers=layers,
+                       decode_step_ms_wall=wall * 1e3, environment=environment(), kernels=rows), f, indent=1)
+    print(f"kernels written to {args.out}")
 
 
 if __name__ == "__main__":

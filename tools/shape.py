@@ -34,6 +34,8 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "from a table of measurements, the version and capability checks with their errors, prefill_backend": 108,
     "issue 18 (part), the CPU decode keeps a batch's K/V between steps (kernels/kept_decode_kv.py: the continuation "
     "check, gather, append, one SDPA call per group; the layer's use of it)": 97,
+    "issue 18 (part), the CPU's matmuls on oneDNN's packed weights (linear(), cpu_packing_works, pack_for_cpu, "
+    "each linear layer's and the LM head's packed_weight slot, the runner's call)": 38,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

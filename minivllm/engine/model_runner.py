@@ -12,6 +12,7 @@ from fastcore.basics import patch
 
 from ..config import Config
 from ..distributed.parallel_state import SINGLE, TPGroup, broadcast
+from ..layers.linear import pack_for_cpu
 from ..layers.sampler import LogprobsTensors, Sampler, SamplingTensors, gather_logprobs
 from ..models.registry import build_model
 from ..sampling_params import SamplingParams
@@ -57,6 +58,8 @@ class ModelRunner:
         self.model = build_model(config.hf_config, config.model, config.torch_dtype, self.device, tp,
                                  config.load_format, config.seed)
         try:   # a failure from here on (a cache too small, out of memory) must not keep the weights alive
+            if self.device.type == "cpu":
+                pack_for_cpu(self.model)   # oneDNN's copy of every float32 weight (notebook 04)
             for layer in attention_layers(self.model):
                 layer.backend, layer.prefill_backend = config.attention_backend, config.prefill_backend
             self.sampler = Sampler()

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.parallel_state import SINGLE, TPGroup, all_gather_last_dim, all_reduce
-from .linear import check_shape, no_shard_id
+from .linear import check_shape, linear, no_shard_id
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -55,6 +55,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if bias:
             raise ValueError("ParallelLMHead does not support a bias")
         super().__init__(num_embeddings, embedding_dim, tp=tp)
+        self.packed_weight: torch.Tensor | None = None   # set by `pack_for_cpu` (notebook 04's linear layers)
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         if embedding.weight.shape != self.weight.shape:
@@ -66,5 +67,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         "`[num_rows, hidden] -> [num_rows, vocab]` logits (each rank gets all of them), into `out` if given."
         if out is not None and self.tp.size == 1:   # straight into the buffer (a CUDA graph's output): no copy
             return torch.mm(hidden_states, self.weight.t(), out=out)
-        logits = all_gather_last_dim(F.linear(hidden_states, self.weight), self.tp)[..., :self.num_embeddings]
+        logits = all_gather_last_dim(linear(hidden_states, self.weight, packed=self.packed_weight), self.tp)
+        logits = logits[..., :self.num_embeddings]
         return logits if out is None else out.copy_(logits)

@@ -3,6 +3,8 @@
 # %% ../../notebooks/04_layers.ipynb #6b43ac84
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +22,14 @@ def no_shard_id(layer: nn.Module, shard_id) -> None:
         raise ValueError(f"{type(layer).__name__} has no packed shards, got shard_id {shard_id!r}")
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    "`x W^T + b`; with `packed`, oneDNN's copy of the weight on a CPU (the speed trick at the end of this section)."
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class LinearBase(nn.Module):
     "`y = x W^T + b` with this rank's `weight` `[output_size, input_size]`; `tp_dim` is the dim cut across ranks."
 
@@ -29,6 +39,7 @@ class LinearBase(nn.Module):
         self.tp, self.tp_dim, self.input_size, self.output_size = tp, tp_dim, input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
+        self.packed_weight: torch.Tensor | None = None   # set by `pack_for_cpu` (below) on a CPU
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
             self.bias.weight_loader = self.weight_loader
@@ -40,15 +51,15 @@ class LinearBase(nn.Module):
         return tuple(param.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
                 + (f", tp_rank={self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else ""))
 
 # %% auto #0
-__all__ = ['check_shape', 'no_shard_id', 'LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear', 'MergedColumnParallelLinear',
-           'QKVParallelLinear', 'RowParallelLinear']
+__all__ = ['check_shape', 'no_shard_id', 'linear', 'LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear',
+           'MergedColumnParallelLinear', 'QKVParallelLinear', 'RowParallelLinear', 'cpu_packing_works', 'pack_for_cpu']
 
 # %% ../../notebooks/04_layers.ipynb #18abf528
 class ReplicatedLinear(LinearBase):
@@ -151,4 +162,26 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded_weight.narrow(1, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None), self.tp)
+        return all_reduce(linear(x, self.weight, self.bias if self.tp.rank == 0 else None, self.packed_weight),
+                          self.tp)
+
+# %% ../../notebooks/04_layers.ipynb #365cb248
+@functools.cache
+def cpu_packing_works() -> bool:
+    "Does this build of PyTorch have oneDNN's packed linear, and does it compute `F.linear`'s product? (checked once)"
+    x, w = torch.arange(24.0).view(3, 8) / 8, torch.arange(40.0).view(5, 8) / 8
+    try:
+        return torch.allclose(linear(x, w, packed=torch.ops.mkldnn._reorder_linear_weight(w, None)), F.linear(x, w))
+    except (AttributeError, RuntimeError):   # no such op in this build, or not for this CPU
+        return False
+
+
+def pack_for_cpu(model: nn.Module) -> int:
+    "Give each layer with a `packed_weight` slot oneDNN's copy of its float32 CPU weight; returns how many got one."
+    if not cpu_packing_works():
+        return 0
+    layers = [m for m in model.modules() if hasattr(m, "packed_weight")
+              and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    for layer in layers:
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
+    return len(layers)
