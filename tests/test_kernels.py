@@ -34,6 +34,7 @@ from minivllm.kernels.paged_decode import (DECODE_BLOCK_N, MAX_SPLITS, choose_nu
                                            paged_decode_attention, plan_decode)
 from minivllm.kernels.paged_prefill import (PREFILL_BLOCK_M, paged_prefill_attention, plan_prefill,  # noqa: E402
                                             varlen_prefill_attention)
+from minivllm.kernels.qk_norm_rope import qk_norm_rope_store  # noqa: E402
 from minivllm.kernels.reference import paged_attention_ref, store_kvcache_ref, varlen_attention_ref  # noqa: E402
 from minivllm.kernels.store_kvcache import store_kvcache  # noqa: E402
 from minivllm.layers.attention import AttentionMetadata  # noqa: E402
@@ -517,3 +518,69 @@ def test_gpu_cascade_batch_256(block_size):
         out = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, SCALE, num_splits=splits,
                                      shared_prefix_len=prefix)
         torch.testing.assert_close(out.float(), want, **BF16_TOL)
+
+
+# ---- q/k norm, rotary embedding and the KV write in one kernel (notebook 06) ---------------------------------------
+
+def plain_prologue(qkv, heads, kv_heads, dim, q_norm, k_norm, rope, positions, slots, k_cache, v_cache):
+    "The model's plain path: split, RMSNorm per head, rotate, then the reference write."
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.reshape(-1, heads, dim), k.reshape(-1, kv_heads, dim)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    q, k = rope(positions, q, k)
+    store_kvcache_ref(k, v.reshape(-1, kv_heads, dim), k_cache, v_cache, slots)
+    return q
+
+
+def check_prologue(dtype, heads, kv_heads, dim, norm, device=DEVICE, n=7, tol=2e-5):
+    from minivllm.layers.layernorm import RMSNorm
+    from minivllm.layers.rotary_embedding import get_rope
+    g = torch.Generator().manual_seed(heads * dim)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g).to(device, dtype)
+    q_norm = k_norm = None
+    if norm:
+        q_norm, k_norm = RMSNorm(dim).to(device, dtype), RMSNorm(dim).to(device, dtype)
+        with torch.no_grad():
+            q_norm.weight.copy_(torch.rand(dim, generator=g) + 0.5), k_norm.weight.copy_(torch.rand(dim, generator=g) + 0.5)
+    rope = get_rope(dim, dim, 4096, 1e6).to(device)
+    positions = torch.randint(0, 4096, (n,), generator=g).to(device)
+    slots = torch.tensor([0, 3, -1, 9, 22, 23, 10][:n]).to(device)   # a padding token (slot -1) in the middle
+    caches = [torch.zeros(6, 4, kv_heads, dim, device=device, dtype=dtype) for _ in range(4)]
+    with torch.no_grad():
+        want = plain_prologue(qkv, heads, kv_heads, dim, q_norm, k_norm, rope, positions, slots, *caches[:2])
+        got = qk_norm_rope_store(qkv, heads, kv_heads, dim, q_norm.weight if norm else None,
+                                 k_norm.weight if norm else None, 1e-6, rope.cos_sin_cache, positions, slots,
+                                 *caches[2:])
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(caches[2], caches[0], atol=tol, rtol=tol)
+    assert torch.equal(caches[3], caches[1])   # the values are copied, bit for bit
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,norm", [(4, 2, 16, True), (3, 1, 32, False), (16, 8, 128, True)])
+def test_qk_norm_rope_store_matches_the_plain_path(heads, kv_heads, dim, norm):
+    check_prologue(torch.float32, heads, kv_heads, dim, norm)
+
+
+def test_qk_norm_rope_store_half_precision():
+    check_prologue(torch.float16, 4, 2, 16, True, tol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_qk_norm_rope_store_bfloat16_on_gpu():
+    check_prologue(torch.bfloat16, 16, 8, 128, True, n=7, tol=2e-2)
+
+
+def test_qk_norm_rope_store_rejects_mismatches():
+    cache = torch.zeros(2, 4, 2, 16, device=DEVICE)
+    table, pos, slots = torch.zeros(64, 16, device=DEVICE), torch.zeros(3, dtype=torch.long, device=DEVICE), \
+        torch.zeros(3, dtype=torch.long, device=DEVICE)
+    call = lambda qkv, dim=16, c=cache: qk_norm_rope_store(qkv, 4, 2, dim, None, None, 1e-6, table, pos, slots, c,  # noqa: E731
+                                                           c.clone())
+    with pytest.raises(ValueError, match="qkv must be"):
+        call(torch.zeros(3, 100, device=DEVICE))
+    with pytest.raises(ValueError, match="power of two"):
+        call(torch.zeros(3, 8 * 12, device=DEVICE), dim=12)
+    with pytest.raises(ValueError, match="do not fit"):
+        call(torch.zeros(3, 8 * 16, device=DEVICE, dtype=torch.float16))

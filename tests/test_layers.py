@@ -489,3 +489,21 @@ def test_pack_for_cpu_leaves_other_dtypes_and_reloads_on_a_second_call():
         assert torch.allclose(layer(x), F.linear(x, torch.ones(8, 16)), atol=1e-5)   # the copy does not follow
         pack_for_cpu(layer)
         assert torch.allclose(layer(x), F.linear(x, torch.full((8, 16), 2.0)), atol=1e-5)
+
+
+def test_linear_uses_the_packed_copy_up_to_256_rows_padded_to_a_power_of_two(monkeypatch):
+    from minivllm.layers import linear as linear_module
+    w, b = torch.randn(24, 16), torch.randn(24)
+    packed, seen = torch.ops.mkldnn._reorder_linear_weight(w, None), []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Ops:   # records the row counts that reach oneDNN
+        @staticmethod
+        def _linear_pointwise(x, *args):
+            seen.append(x.shape[0])
+            return real(x, *args)
+    monkeypatch.setattr(linear_module.torch.ops, "mkldnn", Ops)
+    for shape in [(1, 16), (5, 16), (2, 3, 16), (256, 16), (257, 16)]:
+        x = torch.randn(*shape)
+        assert torch.allclose(linear_module.linear(x, w, b, packed), F.linear(x, w, b), atol=1e-5)
+    assert seen == [1, 8, 8, 256]   # 257 rows: F.linear

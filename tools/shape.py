@@ -35,7 +35,10 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "issue 18 (part), the CPU decode keeps a batch's K/V between steps (kernels/kept_decode_kv.py: the continuation "
     "check, gather, append, one SDPA call per group; the layer's use of it)": 97,
     "issue 18 (part), the CPU's matmuls on oneDNN's packed weights (linear(), cpu_packing_works, pack_for_cpu, "
-    "each linear layer's and the LM head's packed_weight slot, the runner's call)": 38,
+    "each linear layer's and the LM head's packed_weight slot, the runner's call; products of <= 256 rows, padded "
+    "to a power of two, since oneDNN keeps a kernel per input shape)": 45,
+    "issue 16 (part), a layer's q/k norm, rotary embedding and KV write in one Triton kernel (kernels/qk_norm_rope.py "
+    "with its launcher's checks; Qwen3Attention._one_kernel; Attention takes K/V already in the cache)": 113,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

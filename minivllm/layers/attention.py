@@ -112,11 +112,12 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata | None = None) -> torch.Tensor:
-        "q [N, heads, dim], k and v [N, kv_heads, dim] -> [N, heads, dim]."
+        "q [N, heads, dim], k and v [N, kv_heads, dim] (or None: already in the cache) -> [N, heads, dim]."
         if self.k_cache is None:   # no cache yet (a model checked on its own, the warm-up step)
             return varlen_attention(q, k, v, meta, self.scale, self.prefill_backend)
         backend = self.backend if meta.is_decode_only else self.prefill_backend
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend)
+        if k is not None:   # (None: the model wrote them already, with its norms and rotation: notebook 06)
+            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend)
         if backend == "torch" and meta.is_decode_only:
             return paged_decode_kept(q, self.k_cache, self.v_cache, meta.context_lens, meta.block_tables,
                                      meta.slot_mapping, self.scale, self.kept)

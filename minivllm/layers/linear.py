@@ -22,12 +22,19 @@ def no_shard_id(layer: nn.Module, shard_id) -> None:
         raise ValueError(f"{type(layer).__name__} has no packed shards, got shard_id {shard_id!r}")
 
 
+PACKED_MAX_ROWS = 256   # the most rows a product on the packed copy takes (the speed trick at the end of this section)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    "`x W^T + b`; with `packed`, oneDNN's copy of the weight on a CPU (the speed trick at the end of this section)."
-    if packed is None:
+    "`x W^T + b`; with `packed`, oneDNN's copy of the weight on a CPU, for up to 256 rows (their count padded to 2^k)."
+    rows = x.numel() // max(x.shape[-1], 1)
+    if packed is None or not 0 < rows <= PACKED_MAX_ROWS:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    flat, padded = x.reshape(rows, x.shape[-1]), 1 << (rows - 1).bit_length()
+    if padded > rows:   # one oneDNN kernel per row count is kept: only powers of two, so at most 9 per shape
+        flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
+    return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")[:rows].reshape(*x.shape[:-1], -1)
 
 
 class LinearBase(nn.Module):
@@ -58,7 +65,7 @@ class LinearBase(nn.Module):
                 + (f", tp_rank={self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else ""))
 
 # %% auto #0
-__all__ = ['check_shape', 'no_shard_id', 'linear', 'LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear',
+__all__ = ['PACKED_MAX_ROWS', 'check_shape', 'no_shard_id', 'linear', 'LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear',
            'MergedColumnParallelLinear', 'QKVParallelLinear', 'RowParallelLinear', 'cpu_packing_works', 'pack_for_cpu']
 
 # %% ../../notebooks/04_layers.ipynb #18abf528

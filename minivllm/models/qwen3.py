@@ -42,12 +42,28 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 meta: AttentionMetadata | None = None) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden_states)
+        if (q := self._one_kernel(qkv, positions, meta)) is not None:   # a GPU step: norms, rotation, KV write
+            return self.o_proj(self.attn(q, None, None, meta).flatten(1, -1))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta).flatten(1, -1))
+
+    def _one_kernel(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None
+                    ) -> torch.Tensor | None:
+        "The queries, with the K/V written, by notebook 06's kernel: on a GPU, into a cache of the model's dtype."
+        cache, dim = self.attn.k_cache, self.head_dim
+        if not qkv.is_cuda or cache is None or cache.dtype != qkv.dtype or self.rotary_emb.rotary_dim != dim \
+                or dim & (dim - 1):
+            return None
+        from minivllm.kernels.qk_norm_rope import qk_norm_rope_store
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+        return qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, dim, *norms, self.rotary_emb.cos_sin_cache,
+                                  positions, meta.slot_mapping, cache, self.attn.v_cache)
+
 
 # %% auto #0
 __all__ = ['QWEN3_PACKED_WEIGHTS', 'Qwen3Attention', 'Qwen3MLP', 'DecoderTraits', 'qwen3_traits', 'dense_mlp',
