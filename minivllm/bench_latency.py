@@ -12,6 +12,11 @@ from .bench_load import random_prompts
 from .bench_models import roofline
 
 
+def spec_prompts(spec: dict, n: int, length: int, seed: int) -> list[list[int]]:
+    "`n` random prompts of `length` token ids below the model's vocabulary (and below 10,000, as the other workloads)."
+    return random_prompts(n, length, min(spec["vocab_size"], 10000), seed)
+
+
 def traced_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list, float]:
     "Greedy `generate` of `max_tokens` tokens per prompt (eos ignored): the engine's step records, and the seconds."
     from minivllm.sampling_params import SamplingParams
@@ -27,7 +32,7 @@ def decode_step_table(llm, spec: dict, batches: tuple[int, ...] = (1, 8, 32, 128
     "Per batch size: the median decode step (wall and host time, ms) of `batch` x `context` tokens, and its bound."
     rows = []
     for batch in batches:
-        prompts = random_prompts(batch, context, min(spec["vocab_size"], 10000), seed=batch)
+        prompts = spec_prompts(spec, batch, context, seed=batch)
         trace, _ = traced_generate(llm, prompts, steps + 1)
         decode = [r for r in trace if r.is_decode_only and len(r.seq_ids) == batch]
         bound = roofline(spec, [context + steps // 2] * batch, [1] * batch, bandwidth, flops)["decode_s"]
@@ -39,7 +44,7 @@ def decode_step_table(llm, spec: dict, batches: tuple[int, ...] = (1, 8, 32, 128
 
 def single_stream(llm, spec: dict, prompt_len: int = 1024, output_len: int = 512) -> dict:
     "One request alone, timed from submission to its last token: output tokens per second, first token, decode step."
-    prompt = random_prompts(1, prompt_len, min(spec["vocab_size"], 10000), seed=prompt_len + output_len)
+    prompt = spec_prompts(spec, 1, prompt_len, seed=prompt_len + output_len)
     trace, seconds = traced_generate(llm, prompt, output_len)
     decode = [r.duration for r in trace if r.is_decode_only and r.seq_ids]
     return dict(prompt_tokens=prompt_len, output_tokens=output_len, seconds=seconds,
@@ -47,7 +52,7 @@ def single_stream(llm, spec: dict, prompt_len: int = 1024, output_len: int = 512
                 decode_step_ms=1e3 * statistics.median(decode))
 
 # %% auto #0
-__all__ = ['traced_generate', 'decode_step_table', 'single_stream', 'latency_lines', 'run_latency']
+__all__ = ['spec_prompts', 'traced_generate', 'decode_step_table', 'single_stream', 'latency_lines', 'run_latency']
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #84e4e4f9
 def latency_lines(stream: dict, table: list[dict]) -> list[str]:
@@ -69,7 +74,7 @@ def run_latency(model: str, spec: dict, engine_kwargs: dict, bandwidth: float = 
     llm = LLM(model, **kwargs)
     try:
         for batch in (8, 1):   # warm-up: each kind of step the runs take, so no first-call cost is timed
-            traced_generate(llm, random_prompts(batch, 1024, min(spec["vocab_size"], 10000), seed=99 + batch), 8)
+            traced_generate(llm, spec_prompts(spec, batch, 1024, seed=99 + batch), 8)
         result = dict(single_stream=single_stream(llm, spec),
                       decode_steps=decode_step_table(llm, spec, bandwidth=bandwidth, flops=flops))
     finally:

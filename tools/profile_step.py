@@ -104,7 +104,7 @@ def main() -> None:
     prefill_steps = 2
     events = prof.key_averages()
     print(f"one prefill step ({engine.config.max_num_batched_tokens} tokens): GPU kernels "
-          f"{sum(kernel_us(prof).values()) / 1e3:.2f} ms")
+          f"{sum(t for _, t in kernel_totals(prof).values()) / 1e3:.2f} ms")
     print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running + list(engine.scheduler.waiting)):
@@ -129,8 +129,8 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    gpu_total = sum(kernel_us(prof).values()) / args.steps
-    kernels = sum(kernel_launches(prof).values()) / args.steps
+    totals = kernel_totals(prof).values()
+    gpu_total, kernels = sum(t for _, t in totals) / args.steps, sum(c for c, _ in totals) / args.steps
     layers = engine.config.hf_config.num_hidden_layers
     print(f"GPU time per decode step (sum of kernels): {gpu_total / 1e3:.2f} ms; {kernels:.0f} kernels per step, "
           f"{kernels / layers:.1f} per layer ({layers} layers)")
@@ -147,26 +147,20 @@ def kernel_events(prof) -> list:
             and not e.name.startswith(("Memcpy", "Memset"))]
 
 
-def kernel_us(prof) -> dict[str, float]:
-    "GPU microseconds per kernel name (each kernel counted once: key_averages would add the op that launched it too)."
-    us: dict[str, float] = {}
+def kernel_totals(prof) -> dict[str, list[float]]:
+    "Launches and GPU microseconds per kernel name (each kernel once: key_averages would add the op launching it too)."
+    totals: dict[str, list[float]] = {}
     for e in kernel_events(prof):
-        us[e.name] = us.get(e.name, 0.0) + e.time_range.end - e.time_range.start
-    return us
-
-
-def kernel_launches(prof) -> dict[str, int]:
-    launches: dict[str, int] = {}
-    for e in kernel_events(prof):
-        launches[e.name] = launches.get(e.name, 0) + 1
-    return launches
+        entry = totals.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.end - e.time_range.start
+    return totals
 
 
 def write_kernels(args, prof, wall: float, layers: int) -> None:
     "The profiled decode steps' kernels, per step: name, launches, GPU microseconds (results file for notebook 13)."
-    us, launches = kernel_us(prof), kernel_launches(prof)
-    rows = sorted(({"name": n, "launches": launches[n] / args.steps, "us": t / args.steps} for n, t in us.items()),
-                  key=lambda r: -r["us"])
+    rows = sorted(({"name": n, "launches": c / args.steps, "us": t / args.steps}
+                   for n, (c, t) in kernel_totals(prof).items()), key=lambda r: -r["us"])
     with open(args.out, "w") as f:
         json.dump(dict(batch=args.batch, context=args.context, steps=args.steps, layers=layers,
                        decode_step_ms_wall=wall * 1e3, environment=environment(), kernels=rows), f, indent=1)

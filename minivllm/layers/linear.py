@@ -28,8 +28,8 @@ PACKED_MAX_ROWS = 256   # the most rows a product on the packed copy takes (the 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     "`x W^T + b`; with `packed`, oneDNN's copy of the weight on a CPU, for up to 256 rows (their count padded to 2^k)."
-    rows = x.numel() // max(x.shape[-1], 1)
-    if packed is None or not 0 < rows <= PACKED_MAX_ROWS:
+    rows = 0 if packed is None else x.numel() // max(x.shape[-1], 1)   # (no copy: a GPU, a layer nobody packed)
+    if not 0 < rows <= PACKED_MAX_ROWS:
         return F.linear(x, weight, bias)
     flat, padded = x.reshape(rows, x.shape[-1]), 1 << (rows - 1).bit_length()
     if padded > rows:   # one oneDNN kernel per row count is kept: only powers of two, so at most 9 per shape
