@@ -131,6 +131,65 @@ def test_qwen3_06b_float32_greedy_matches_transformers_on_gpu(qwen3_06b, gpu_pro
     assert all(same), f"{name}: prompts {[i for i, s in enumerate(same) if not s]} differ from transformers"
 
 
+# ---- mixed steps in CUDA graphs (notebook 09): the buckets, the padding, the tokens --------------------------------
+
+def test_mixed_token_sizes_are_powers_of_two_up_to_the_budget():
+    from minivllm.engine.cuda_graph import MIXED_GRAPH_MAX_TOKENS, mixed_token_sizes
+    assert mixed_token_sizes(16384) == [128, 256, 512, 1024, 2048] == mixed_token_sizes(2048)
+    assert mixed_token_sizes(1000) == [128, 256, 512, 1000]
+    assert mixed_token_sizes(64) == [64] and mixed_token_sizes(128) == [128]
+    assert mixed_token_sizes(10**6)[-1] == MIXED_GRAPH_MAX_TOKENS
+
+
+def test_a_mixed_step_padded_for_a_graph_reads_and_writes_nothing_more():
+    "The padded views give the sampled rows of the plain step; spare tokens write nothing, spare sequences are empty."
+    from minivllm.engine.batch_builder import prepare_step
+    from minivllm.engine.cuda_graph import GraphInputs
+    from minivllm.engine.scheduler import Scheduler
+    from minivllm.engine.sequence import Sequence
+    from minivllm.engine.step_inputs import to_device
+    from minivllm.layers.attention import AttentionMetadata
+    with LLM(TINY_MODEL_PATH, device="cpu", max_model_len=128, attention_backend="torch") as llm:
+        runner = llm.llm_engine.executor.runner
+        scheduler = Scheduler(runner.num_blocks, 16, 8, 64, 128)
+        for i, n in enumerate((20, 3, 60)):
+            scheduler.add(Sequence(list(range(5, 5 + n)), SamplingParams(max_tokens=4), block_size=16, seq_id=i))
+        first = scheduler.schedule()   # 64 tokens: two prompts and a chunk of the third
+        scheduler.postprocess(first, [1] * len(first.sampled))
+        step = prepare_step(scheduler.schedule(), 16)   # two decodes and the rest of the third prompt
+        assert not step.is_decode_only and step.sizes.num_seqs == 3
+        with torch.inference_mode():
+            x = to_device(step, torch.device("cpu"))
+            want = runner.model(x.input_ids, x.positions, x.meta)[x.logits_indices]
+            inputs = GraphInputs(max_batch_size=8, max_blocks=8, device=torch.device("cpu"), max_tokens=128)
+            inputs.views["slot_mapping"].fill_(5)   # stale values of an earlier step
+            inputs.load(step, batch_size=8, input_ids=None, tokens=128)
+            v, t, n = inputs.views, step.sizes.num_tokens, step.sizes.num_seqs
+            assert (v["slot_mapping"][t:128] == -1).all() and (v["context_lens"][n:] == 0).all()
+            assert (v["cu_seqlens_q"][n:] == t).all() and (v["logits_indices"][step.sizes.num_sampled:] == 0).all()
+            meta = AttentionMetadata(v["cu_seqlens_q"], v["cu_seqlens_k"], 128, 128, v["slot_mapping"][:128],
+                                     v["context_lens"], v["block_tables"])
+            got = runner.model(v["input_ids"][:128], v["positions"][:128], meta)[v["logits_indices"]]
+    torch.testing.assert_close(got[:len(want)], want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_steps_replay_graphs_and_give_the_tokens_of_eager(tiny_reference, monkeypatch):
+    "Prompts arrive while others decode (4 seats, 8 requests of different lengths): those steps replay mixed graphs."
+    from minivllm.engine.cuda_graph import MixedGraphRunner
+    ids, _ = tiny_reference
+    replays, original = [], MixedGraphRunner.replay
+    monkeypatch.setattr(MixedGraphRunner, "replay", lambda self, step, *a: replays.append(step) or original(self, step, *a))
+    params = [SamplingParams(temperature=0, max_tokens=4 + 5 * i, ignore_eos=True) for i in range(len(ids))]
+    got = {}
+    for eager in (False, True):
+        with LLM(TINY_MODEL_PATH, dtype="float32", max_model_len=256, max_num_seqs=4, enforce_eager=eager) as llm:
+            assert (llm.llm_engine.executor.runner.mixed_graphs is None) == eager
+            got[eager] = token_ids(llm.generate(ids, params, use_tqdm=False))
+    assert any(s.sizes.num_seqs > 1 and s.max_seqlen_q > 1 and s.sizes.num_sampled for s in replays)
+    assert got[False] == got[True]
+
+
 # ---- cascade decode: a prefix shared by the whole batch is read once (notebook 05) ------------------------------
 
 def _generate_with_shared_prefix(ids, monkeypatch, num_requests: int = 5, max_tokens: int = 8, warm_tokens: int = 8,

@@ -17,8 +17,9 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 class GraphInputs:
     "What every graph reads: a device buffer laid out as the largest step, and two pinned host mirrors used in turn."
 
-    def __init__(self, max_batch_size: int, max_blocks: int, device: torch.device):
-        self.capacity = StepSizes(max_batch_size, max_batch_size, max_batch_size, max_blocks)
+    def __init__(self, max_batch_size: int, max_blocks: int, device: torch.device, max_tokens: int = 0):
+        tokens = max(max_tokens, max_batch_size)   # a decode step has a token per sequence; a mixed step more
+        self.capacity = StepSizes(tokens, max_batch_size, max_batch_size, max_blocks)
         nbytes, pin = step_nbytes(self.capacity), device.type == "cuda"   # (a host-only runner cannot pin)
         self.device_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.hosts = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
@@ -33,18 +34,23 @@ class GraphInputs:
                                  v["shared_prefix_len"] if cascade else None)
         return DeviceStep(v["input_ids"][:bs], v["positions"][:bs], v["logits_indices"][:bs], meta)
 
-    def load(self, step: StepInputs, batch_size: int, input_ids: torch.Tensor | None) -> None:
-        "Fill the buffer with `step`, padded to `batch_size` rows that write nothing (slot -1) and read nothing."
-        n, views, host = step.sizes.num_seqs, self.host_views[self.turn], self.hosts[self.turn]
-        self.turn ^= 1
+    def load(self, step: StepInputs, batch_size: int, input_ids: torch.Tensor | None, tokens: int = 0) -> None:
+        "Fill the buffer with `step`, padded to `batch_size` rows (and `tokens` tokens) that write and read nothing."
+        sizes, views, host = step.sizes, self.host_views[self.turn], self.hosts[self.turn]
+        t, n, self.turn = sizes.num_tokens, sizes.num_seqs, self.turn ^ 1
         step.write(views)
-        views["slot_mapping"][n:batch_size], views["context_lens"][n:batch_size] = -1, 0
+        views["slot_mapping"][t:max(tokens, batch_size)], views["context_lens"][n:batch_size] = -1, 0
+        if tokens:   # a mixed graph (next section): spare sequences of no tokens, spare logits rows read row 0
+            views["cu_seqlens_q"][n + 1:], views["cu_seqlens_k"][n + 1:] = t, step.cu_seqlens_k[-1]
+            views["logits_indices"][sizes.num_sampled:] = 0
         self.device_buffer.copy_(host, non_blocking=True)
         if input_ids is not None:   # the tokens of the step before, still on the device (asynchronous scheduling)
-            self.views["input_ids"][:n].copy_(input_ids)
+            self.views["input_ids"][:t].copy_(input_ids)
+
 
 # %% auto #0
-__all__ = ['graph_batch_sizes', 'GraphInputs', 'CUDAGraphRunner']
+__all__ = ['MIXED_GRAPH_MAX_TOKENS', 'graph_batch_sizes', 'GraphInputs', 'CUDAGraphRunner', 'mixed_token_sizes',
+           'MixedGraphRunner']
 
 # %% ../../notebooks/09_model_runner.ipynb #3b60bb96
 class CUDAGraphRunner:
@@ -76,6 +82,7 @@ class CUDAGraphRunner:
                     model.compute_logits(model(x.input_ids, x.positions, x.meta), self.logits[:bs])
                 pool = pool or graph.pool()
                 torch.cuda.synchronize()
+        self.pool = pool   # (mixed steps' graphs, next section, share it)
 
     def can_run(self, step: StepInputs) -> bool:
         return step.is_decode_only and step.sizes.num_seqs <= self.max_batch_size
@@ -87,3 +94,51 @@ class CUDAGraphRunner:
         self.inputs.load(step, bs, input_ids)
         (self.cascade_graphs if step.shared_prefix_len[0] else self.graphs)[bs].replay()
         return self.logits[:n]
+
+# %% ../../notebooks/09_model_runner.ipynb #59436b1b
+MIXED_GRAPH_MAX_TOKENS = 2048   # larger steps are long prefills: their kernels, not their launches, set the pace
+
+
+def mixed_token_sizes(max_num_batched_tokens: int, largest: int = MIXED_GRAPH_MAX_TOKENS) -> list[int]:
+    "The token counts mixed steps are recorded for: powers of two from 128, then the step budget (at most `largest`)."
+    top = min(max_num_batched_tokens, largest)
+    return [2 ** k for k in range(7, top.bit_length()) if 2 ** k < top] + [top]
+
+
+class MixedGraphRunner:
+    "Steps with prompt tokens, recorded once per token bucket for every sequence row; they share the decode graphs' pool."
+
+    def __init__(self, model: torch.nn.Module, graphs: CUDAGraphRunner, max_num_batched_tokens: int,
+                 device: torch.device):
+        self.token_sizes = mixed_token_sizes(max_num_batched_tokens)
+        self.max_num_seqs, self.logits = graphs.max_batch_size, graphs.logits   # (the logits buffer: shared too)
+        self.inputs = GraphInputs(self.max_num_seqs, graphs.inputs.capacity.width, device, self.token_sizes[-1])
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture(model, graphs.max_model_len, graphs.pool)
+
+    @torch.inference_mode()
+    def capture(self, model: torch.nn.Module, max_model_len: int, pool) -> None:
+        self.inputs.device_buffer.copy_(self.inputs.hosts[0])   # (zeros: no sequence has a token)
+        v = self.inputs.views
+        for tokens in reversed(self.token_sizes):
+            meta = AttentionMetadata(v["cu_seqlens_q"], v["cu_seqlens_k"], tokens, max_model_len,
+                                     v["slot_mapping"][:tokens], v["context_lens"], v["block_tables"])
+            ids, positions, rows = v["input_ids"][:tokens], v["positions"][:tokens], v["logits_indices"]
+            model.compute_logits(model(ids, positions, meta)[rows], self.logits)   # warm-up
+            self.graphs[tokens] = graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                model.compute_logits(model(ids, positions, meta)[rows], self.logits)
+            torch.cuda.synchronize()
+
+    def can_run(self, step: StepInputs) -> bool:
+        s = step.sizes   # (prompt log-probabilities need logits of other rows: eager)
+        return s.num_tokens <= self.token_sizes[-1] and s.num_seqs <= self.max_num_seqs and not s.num_prompt_logits
+
+    def replay(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        "The sampled rows' logits (None if no row samples), from the smallest graph with room for the step's tokens."
+        s = step.sizes
+        tokens = next(t for t in self.token_sizes if t >= s.num_tokens)
+        self.inputs.load(step, self.max_num_seqs, input_ids, tokens)
+        self.graphs[tokens].replay()
+        return self.logits[:s.num_sampled] if s.num_sampled else None
+

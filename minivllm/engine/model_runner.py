@@ -16,7 +16,7 @@ from ..layers.linear import pack_for_cpu
 from ..layers.sampler import LogprobsTensors, Sampler, SamplingTensors, gather_logprobs
 from ..models.registry import build_model
 from ..sampling_params import SamplingParams
-from .cuda_graph import CUDAGraphRunner
+from .cuda_graph import CUDAGraphRunner, MixedGraphRunner
 from .host_memory import reuse_freed_memory
 from .kv_cache import allocate_kv_cache, attention_layers, kv_budget, num_kv_blocks
 from .sampling_cache import SamplingCache
@@ -54,7 +54,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         else:
             reuse_freed_memory()   # a step's large temporaries reuse the pages of the step before
-        self.kv_cache = self.graphs = None
+        self.kv_cache = self.graphs = self.mixed_graphs = None
         self.model = build_model(config.hf_config, config.model, config.torch_dtype, self.device, tp,
                                  config.load_format, config.seed)
         try:   # a failure from here on (a cache too small, out of memory) must not keep the weights alive
@@ -73,6 +73,9 @@ class ModelRunner:
                 self.graphs = CUDAGraphRunner(self.model, config.max_num_seqs, config.max_model_len, config.block_size,
                                               config.hf_config.vocab_size, config.torch_dtype, self.device,
                                               cascade=config.cascade)
+                if config.prefill_backend == "triton":   # (a shape-free prefill kernel: section 12)
+                    self.mixed_graphs = MixedGraphRunner(self.model, self.graphs, config.max_num_batched_tokens,
+                                                         self.device)
         except BaseException:
             self.close()
             raise
@@ -89,8 +92,10 @@ class ModelRunner:
 def execute(self: ModelRunner, step: StepInputs) -> StepHandle:
     "Queue the forward pass, the sampled rows' logits and (first rank) the sampler, and return at once."
     input_ids = self._ahead_input_ids(step) if step.ahead else None
-    graph = self.graphs is not None and self.graphs.can_run(step)   # (a decode step: every sequence samples)
-    logits, prompt = (self.graphs.replay(step, input_ids), None) if graph else self._forward(step, input_ids)
+    decode = step.is_decode_only   # (decode graphs: every sequence samples; mixed graphs: the other steps)
+    graphs = self.graphs if decode else self.mixed_graphs
+    graph = graphs is not None and graphs.can_run(step)
+    logits, prompt = (graphs.replay(step, input_ids), None) if graph else self._forward(step, input_ids)
     if self.tp.rank != 0:   # not the sampling rank
         return StepHandle()
     handle = StepHandle() if logits is None else self._sample(logits, step)   # None: prompt chunks only
@@ -159,7 +164,7 @@ def synchronize(self: ModelRunner) -> None:
 
 @patch
 def close(self: ModelRunner) -> None:
-    self.graphs = self.kv_cache = self.last_sampled = None
+    self.graphs = self.mixed_graphs = self.kv_cache = self.last_sampled = None
     if getattr(self, "model", None) is not None:
         for layer in attention_layers(self.model):
             layer.k_cache = layer.v_cache = None
