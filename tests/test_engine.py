@@ -179,7 +179,8 @@ def test_gpu_mixed_steps_replay_graphs_and_give_the_tokens_of_eager(tiny_referen
     from minivllm.engine.cuda_graph import MixedGraphRunner
     ids, _ = tiny_reference
     replays, original = [], MixedGraphRunner.replay
-    monkeypatch.setattr(MixedGraphRunner, "replay", lambda self, step, *a: replays.append(step) or original(self, step, *a))
+    monkeypatch.setattr(MixedGraphRunner, "replay",
+                        lambda self, step, *args: replays.append(step) or original(self, step, *args))
     params = [SamplingParams(temperature=0, max_tokens=4 + 5 * i, ignore_eos=True) for i in range(len(ids))]
     got = {}
     for eager in (False, True):

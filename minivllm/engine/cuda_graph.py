@@ -106,7 +106,7 @@ def mixed_token_sizes(max_num_batched_tokens: int, largest: int = MIXED_GRAPH_MA
 
 
 class MixedGraphRunner:
-    "Steps with prompt tokens, recorded once per token bucket for every sequence row; they share the decode graphs' pool."
+    "Steps with prompt tokens, recorded per token bucket with every sequence's row; in the decode graphs' pool."
 
     def __init__(self, model: torch.nn.Module, graphs: CUDAGraphRunner, max_num_batched_tokens: int,
                  device: torch.device):
@@ -118,7 +118,8 @@ class MixedGraphRunner:
 
     @torch.inference_mode()
     def capture(self, model: torch.nn.Module, max_model_len: int, pool) -> None:
-        self.inputs.device_buffer.copy_(self.inputs.hosts[0])   # (zeros: no sequence has a token)
+        self.inputs.host_views[0]["slot_mapping"][:] = -1   # recording writes nothing into the cache
+        self.inputs.device_buffer.copy_(self.inputs.hosts[0])   # (and zeros elsewhere: no sequence has a token)
         v = self.inputs.views
         for tokens in reversed(self.token_sizes):
             meta = AttentionMetadata(v["cu_seqlens_q"], v["cu_seqlens_k"], tokens, max_model_len,
