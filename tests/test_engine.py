@@ -148,7 +148,6 @@ def test_a_mixed_step_padded_for_a_graph_reads_and_writes_nothing_more():
     from minivllm.engine.scheduler import Scheduler
     from minivllm.engine.sequence import Sequence
     from minivllm.engine.step_inputs import to_device
-    from minivllm.layers.attention import AttentionMetadata
     with LLM(TINY_MODEL_PATH, device="cpu", max_model_len=128, attention_backend="torch") as llm:
         runner = llm.llm_engine.executor.runner
         scheduler = Scheduler(runner.num_blocks, 16, 8, 64, 128)
@@ -167,9 +166,9 @@ def test_a_mixed_step_padded_for_a_graph_reads_and_writes_nothing_more():
             v, t, n = inputs.views, step.sizes.num_tokens, step.sizes.num_seqs
             assert (v["slot_mapping"][t:128] == -1).all() and (v["context_lens"][n:] == 0).all()
             assert (v["cu_seqlens_q"][n:] == t).all() and (v["logits_indices"][step.sizes.num_sampled:] == 0).all()
-            meta = AttentionMetadata(v["cu_seqlens_q"], v["cu_seqlens_k"], 128, 128, v["slot_mapping"][:128],
-                                     v["context_lens"], v["block_tables"])
-            got = runner.model(v["input_ids"][:128], v["positions"][:128], meta)[v["logits_indices"]]
+            g = inputs.step(8, 128, tokens=128)   # the views a mixed graph is recorded with
+            assert len(g.input_ids) == 128 and g.meta.max_seqlen_q == 128 and not g.meta.is_decode_only
+            got = runner.model(g.input_ids, g.positions, g.meta)[g.logits_indices]
     torch.testing.assert_close(got[:len(want)], want, atol=1e-4, rtol=1e-4)
 
 

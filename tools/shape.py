@@ -40,7 +40,7 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "issue 16 (part), a layer's q/k norm, rotary embedding and KV write in one Triton kernel (kernels/qk_norm_rope.py "
     "with its launcher's checks; Qwen3Attention._one_kernel; Attention takes K/V already in the cache)": 113,
     "issue 16 (part), steps with prompt tokens in CUDA graphs per token bucket (engine/cuda_graph.py: "
-    "mixed_token_sizes, MixedGraphRunner, GraphInputs' padding of spare tokens and sequences; the runner's choice)": 61,
+    "mixed_token_sizes, MixedGraphRunner, GraphInputs' padding of spare tokens and sequences; the runner's choice)": 58,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

@@ -26,13 +26,13 @@ class GraphInputs:
         self.host_views = [numpy_views(host.numpy(), self.capacity) for host in self.hosts]
         self.views, self.turn = tensor_views(self.device_buffer, self.capacity), 0
 
-    def step(self, bs: int, max_seqlen_k: int, cascade: bool) -> DeviceStep:
-        "The first `bs` rows of the buffer as a decode step's device inputs: what a graph is recorded with."
-        v = self.views
-        meta = AttentionMetadata(v["cu_seqlens_q"][:bs + 1], v["cu_seqlens_k"][:bs + 1], 1, max_seqlen_k,
-                                 v["slot_mapping"][:bs], v["context_lens"][:bs], v["block_tables"][:bs],
+    def step(self, bs: int, max_seqlen_k: int, cascade: bool = False, tokens: int = 0) -> DeviceStep:
+        "The buffer's first `bs` sequences as a graph's inputs: a decode step's, or a mixed step's of `tokens` tokens."
+        v, t = self.views, tokens or bs
+        meta = AttentionMetadata(v["cu_seqlens_q"][:bs + 1], v["cu_seqlens_k"][:bs + 1], tokens or 1, max_seqlen_k,
+                                 v["slot_mapping"][:t], v["context_lens"][:bs], v["block_tables"][:bs],
                                  v["shared_prefix_len"] if cascade else None)
-        return DeviceStep(v["input_ids"][:bs], v["positions"][:bs], v["logits_indices"][:bs], meta)
+        return DeviceStep(v["input_ids"][:t], v["positions"][:t], v["logits_indices"][:bs], meta)
 
     def load(self, step: StepInputs, batch_size: int, input_ids: torch.Tensor | None, tokens: int = 0) -> None:
         "Fill the buffer with `step`, padded to `batch_size` rows (and `tokens` tokens) that write and read nothing."
@@ -120,15 +120,12 @@ class MixedGraphRunner:
     def capture(self, model: torch.nn.Module, max_model_len: int, pool) -> None:
         self.inputs.host_views[0]["slot_mapping"][:] = -1   # recording writes nothing into the cache
         self.inputs.device_buffer.copy_(self.inputs.hosts[0])   # (and zeros elsewhere: no sequence has a token)
-        v = self.inputs.views
         for tokens in reversed(self.token_sizes):
-            meta = AttentionMetadata(v["cu_seqlens_q"], v["cu_seqlens_k"], tokens, max_model_len,
-                                     v["slot_mapping"][:tokens], v["context_lens"], v["block_tables"])
-            ids, positions, rows = v["input_ids"][:tokens], v["positions"][:tokens], v["logits_indices"]
-            model.compute_logits(model(ids, positions, meta)[rows], self.logits)   # warm-up
+            x = self.inputs.step(self.max_num_seqs, max_model_len, tokens=tokens)
+            model.compute_logits(model(x.input_ids, x.positions, x.meta)[x.logits_indices], self.logits)   # warm-up
             self.graphs[tokens] = graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                model.compute_logits(model(ids, positions, meta)[rows], self.logits)
+                model.compute_logits(model(x.input_ids, x.positions, x.meta)[x.logits_indices], self.logits)
             torch.cuda.synchronize()
 
     def can_run(self, step: StepInputs) -> bool:
