@@ -196,6 +196,37 @@ def test_mixed_step_bfloat16():
     torch.testing.assert_close(out.float(), ref(q, kc, vc, ctx, 0.25).float(), **BF16_TOL)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("group", [1, 2])
+def test_mixed_step_split_between_the_prefill_and_decode_kernels(num_splits, group):
+    "The prefill kernel leaves the one-token sequences unwritten, the decode kernel writes only them: the reference."
+    q, kc, vc, ctx = random_step(MIXED["q_lens"], MIXED["ctx_lens"], 4, heads=2 * group, kv_heads=2, seed=5 + group)
+    cu, want = ctx.cu_seqlens_q, ref(q, kc, vc, ctx, 0.3)
+    single = torch.tensor([n == 1 for n in MIXED["q_lens"]])
+    one_token_rows = cu[:-1][single].long()
+    others = torch.ones(len(q), dtype=torch.bool)
+    others[one_token_rows] = False
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, kc, vc, cu, ctx.context_lens, ctx.block_tables, 0.3, out=out, skip_single=True)
+    assert torch.isnan(out[one_token_rows]).all()
+    torch.testing.assert_close(out[others], want[others], **CPU_TOL)
+    written = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.3, out=out, cu_seqlens_q=cu,
+                                     num_splits=num_splits)
+    assert written is out
+    torch.testing.assert_close(out, want, **CPU_TOL)
+
+
+def test_mixed_decode_rejects_a_shared_prefix_and_bad_prefix_sums():
+    q, kc, vc, ctx = random_step(MIXED["q_lens"], MIXED["ctx_lens"], 4, heads=2, kv_heads=2)
+    prefix = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="no shared prefix"):
+        paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.3, cu_seqlens_q=ctx.cu_seqlens_q,
+                               shared_prefix_len=prefix)
+    with pytest.raises(ValueError, match="must be 1-D"):
+        paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.3,
+                               cu_seqlens_q=ctx.cu_seqlens_q[None])
+
+
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_varlen_without_cache_matches_reference(group):
     g = torch.Generator().manual_seed(group)

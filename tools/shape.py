@@ -41,6 +41,8 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "with its launcher's checks; Qwen3Attention._one_kernel; Attention takes K/V already in the cache)": 113,
     "issue 16 (part), steps with prompt tokens in CUDA graphs per token bucket (engine/cuda_graph.py: "
     "mixed_token_sizes, MixedGraphRunner, GraphInputs' padding of spare tokens and sequences; the runner's choice)": 58,
+    "issue 16 (part), a mixed step's one-token sequences on the decode kernel (MIXED / SKIP_SINGLE in the decode, "
+    "merge and prefill kernels, the launchers' cu_seqlens_q / skip_single and checks, paged_attention's two calls)": 30,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

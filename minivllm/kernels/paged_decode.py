@@ -24,12 +24,19 @@ __all__ = ['DECODE_BLOCK_N', 'DECODE_NUM_WARPS', 'DECODE_NUM_STAGES', 'DECODE_BL
 @triton.jit(do_not_specialize=["num_splits", "num_parts", "stride_bt"])
 def _paged_decode_kernel(
         out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-        prefix_len_ptr, qk_scale, num_splits, num_parts, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+        prefix_len_ptr, cu_seqlens_q_ptr, qk_scale, num_splits, num_parts, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok, stride_v_head, stride_bt,
         NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_SPLITS: tl.constexpr,
-        CASCADE: tl.constexpr, FOLD_PREFIX: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+        CASCADE: tl.constexpr, FOLD_PREFIX: tl.constexpr, MIXED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        DOT_FP32: tl.constexpr):
     kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    token, q_len = seq, 1                       # the sequence's query row
+    if MIXED:   # a mixed step: the row is the sequence's first token; sequences of more tokens are prefill's (below)
+        token = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - token
+    if q_len != 1:
+        return
     context_len = tl.load(context_lens_ptr + seq)
     kv_start = 0
     if CASCADE:                                 # positions [0, kv_start) are the shared prefix: read elsewhere
@@ -44,7 +51,7 @@ def _paged_decode_kernel(
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
     part = (seq * NUM_Q_HEADS + heads) * num_parts + (num_parts - num_splits) + split   # this split's partial slot
-    q = tl.load(q_ptr + seq * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
+    q = tl.load(q_ptr + token * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
@@ -75,15 +82,21 @@ def _paged_decode_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None] & dim_mask[None, :])
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
     else:
-        tl.store(out_ptr + seq * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
+        tl.store(out_ptr + token * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
 # %% ../../notebooks/06_attention_kernels.ipynb #be175187
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, num_splits, stride_o_tok, stride_o_head,
-                         NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr):
+def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, cu_seqlens_q_ptr, num_splits, stride_o_tok,
+                         stride_o_head, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                         SPLITS_PAD: tl.constexpr, MIXED: tl.constexpr):
     head, seq = tl.program_id(0), tl.program_id(1)
+    token, q_len = seq, 1
+    if MIXED:   # (as in the decode kernel: a mixed step's rows of one token only)
+        token = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - token
+    if q_len != 1:
+        return
     splits, dims = tl.arange(0, SPLITS_PAD), tl.arange(0, DIM_PAD)
     base = (seq * NUM_Q_HEADS + head) * num_splits
     lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
@@ -93,7 +106,7 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, num_splits, stride
                 mask=has_kv[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
 
 
@@ -168,9 +181,14 @@ def plan_decode(batch: int, num_heads: int, num_kv_heads: int, max_context: int,
     return DecodeLaunch(num_splits, prefix_parts, group_pad, q_tiles)
 
 # %% ../../notebooks/06_attention_kernels.ipynb #22df7a89
-def _check_decode(q, k_cache, v_cache, context_lens, block_tables, shared_prefix_len) -> None:
+def _check_decode(q, k_cache, v_cache, context_lens, block_tables, shared_prefix_len, cu_seqlens_q=None) -> None:
     check_kv_cache(k_cache, v_cache)
     batch, num_heads, head_dim = q.shape
+    if cu_seqlens_q is not None:   # a mixed step (the prefill section): q has a row per token, not per sequence
+        if cu_seqlens_q.dim() != 1 or shared_prefix_len is not None:
+            raise ValueError(f"cu_seqlens_q must be 1-D (got {tuple(cu_seqlens_q.shape)}), and a mixed step reads "
+                             f"no shared prefix")
+        batch = cu_seqlens_q.shape[0] - 1
     if k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} does not fit a cache of {tuple(k_cache.shape)}: head_dim must match "
                          f"and the number of query heads must be a multiple of the number of KV heads")
@@ -181,18 +199,22 @@ def _check_decode(q, k_cache, v_cache, context_lens, block_tables, shared_prefix
     if cascade and (shared_prefix_len.shape != (1,) or shared_prefix_len.dtype != torch.int32):
         raise ValueError(f"shared_prefix_len must be an int32 tensor of shape (1,), got {shared_prefix_len.dtype} "
                          f"{tuple(shared_prefix_len.shape)}")
-    check_device(q, k_cache, v_cache, context_lens, block_tables, *([shared_prefix_len] if cascade else []))
+    check_device(q, k_cache, v_cache, context_lens, block_tables,
+                 *[t for t in (shared_prefix_len, cu_seqlens_q) if t is not None])
 
 # %% ../../notebooks/06_attention_kernels.ipynb #91f5df58
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, *, shared_prefix_len: torch.Tensor | None = None,
                            num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    "q [B, heads, dim], a token per sequence, over its cached KV; a `shared_prefix_len` (whole blocks) is read once."
-    _check_decode(q, k_cache, v_cache, context_lens, block_tables, shared_prefix_len)
+                           num_stages: int | None = None, out: torch.Tensor | None = None,
+                           cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, heads, dim], a token per sequence, over its cached KV; a `shared_prefix_len` (whole blocks) is read once.
+    With `cu_seqlens_q`, q holds a mixed step's tokens: only the sequences of one token are attended (written)."""
+    _check_decode(q, k_cache, v_cache, context_lens, block_tables, shared_prefix_len, cu_seqlens_q)
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty_like(q) if out is None else out
-    (batch, num_heads, head_dim), (_, page_size, num_kv_heads, _) = q.shape, k_cache.shape
+    (_, num_heads, head_dim), (_, page_size, num_kv_heads, _) = q.shape, k_cache.shape
+    batch, mixed = context_lens.shape[0], cu_seqlens_q is not None
     if batch == 0:
         return out
     eight_bit, cascade = k_cache.element_size() == 1, shared_prefix_len is not None
@@ -214,13 +236,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             num_warps=SHARED_NUM_WARPS, num_stages=SHARED_NUM_STAGES)
     _paged_decode_kernel[(num_kv_heads, batch, plan.num_splits)](
         out, part_out, part_lse, q, k_cache, v_cache, block_tables, context_lens,
-        shared_prefix_len if cascade else context_lens, log2_scale, plan.num_splits, plan.num_parts,
+        shared_prefix_len if cascade else context_lens, cu_seqlens_q if mixed else context_lens, log2_scale, plan.num_splits, plan.num_parts,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *sk[:3], *sv[:3], block_tables.stride(0),
         GROUP_PAD=max(16, plan.group_pad), BLOCK_N=block_n, USE_SPLITS=plan.use_splits, CASCADE=cascade,
-        FOLD_PREFIX=plan.fold_prefix, **common,
+        FOLD_PREFIX=plan.fold_prefix, MIXED=mixed, **common,
         num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages)
     if plan.use_splits:
         _merge_splits_kernel[(num_heads, batch)](
-            out, part_out, part_lse, plan.num_parts, out.stride(0), out.stride(1), NUM_Q_HEADS=num_heads,
-            HEAD_DIM=head_dim, DIM_PAD=next_pow2(head_dim), SPLITS_PAD=next_pow2(plan.num_parts), num_warps=4)
+            out, part_out, part_lse, cu_seqlens_q if mixed else context_lens, plan.num_parts, out.stride(0),
+            out.stride(1), NUM_Q_HEADS=num_heads, HEAD_DIM=head_dim, DIM_PAD=next_pow2(head_dim),
+            SPLITS_PAD=next_pow2(plan.num_parts), MIXED=mixed, num_warps=4)
     return out

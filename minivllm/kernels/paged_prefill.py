@@ -23,7 +23,7 @@ def _paged_prefill_kernel(
         stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok, stride_v_head, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+        PAGED: tl.constexpr, SKIP_SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     q_block, kv_head = tl.program_id(0), tl.program_id(1)
     lo, hi = 0, num_seqs                       # binary search: the last sequence whose first block is <= q_block
     while lo < hi:
@@ -36,7 +36,10 @@ def _paged_prefill_kernel(
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     first = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q   # this program's first query token in the sequence
-    if first >= q_len:
+    skip = first >= q_len
+    if SKIP_SINGLE:   # sequences of one query token are left to the decode kernel (the next section)
+        skip = skip | (q_len == 1)
+    if skip:
         return
     context_len = tl.load(context_lens_ptr + seq)
     rows = tl.arange(0, BLOCK_M)               # row = token * GROUP_PAD + query head within the group
@@ -94,7 +97,7 @@ def plan_prefill(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: i
 
 # %% ../../notebooks/06_attention_kernels.ipynb #ca5b92e5
 def _launch_prefill(q, k, v, cu_seqlens_q, kv_start, context_lens, block_tables, scale, page_size, paged,
-                    block_m, block_n, out):
+                    block_m, block_n, out, skip_single=False):
     (num_tokens, num_heads, head_dim), num_kv_heads = q.shape, k.shape[-2]
     if num_heads % num_kv_heads or k.shape[-1] != head_dim:
         raise ValueError(f"q {tuple(q.shape)} does not fit k/v {tuple(k.shape)}: head_dim must match and the number "
@@ -113,7 +116,7 @@ def _launch_prefill(q, k, v, cu_seqlens_q, kv_start, context_lens, block_tables,
         sv[0] if paged else 0, sv[-3], sv[-2], block_tables.stride(0) if paged else 0,
         GROUP=num_heads // num_kv_heads, GROUP_PAD=next_pow2(num_heads // num_kv_heads), HEAD_DIM=head_dim,
         DIM_PAD=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=block_n or PREFILL_BLOCK_N, PAGED=paged,
+        BLOCK_N=block_n or PREFILL_BLOCK_N, PAGED=paged, SKIP_SINGLE=skip_single,
         **dot_options(q.dtype), num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES)
     return out
 
@@ -121,14 +124,15 @@ def _launch_prefill(q, k, v, cu_seqlens_q, kv_start, context_lens, block_tables,
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                             scale: float, *, block_m: int | None = None, block_n: int | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
-    "Causal attention of a mixed batch (prefill chunks over cached prefixes, decode tokens) over the paged cache."
+                            out: torch.Tensor | None = None, skip_single: bool = False) -> torch.Tensor:
+    """Causal attention of a mixed batch (prefill chunks over cached prefixes, decode tokens) over the paged cache;
+    `skip_single`: sequences of one query token are left out (unwritten), for the decode kernel (next section)."""
     check_kv_cache(k_cache, v_cache)
     if cu_seqlens_q.dim() != 1 or context_lens.shape != (cu_seqlens_q.shape[0] - 1,) or block_tables.dim() != 2:
         raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, context_lens {tuple(context_lens.shape)} and "
                          f"block_tables {tuple(block_tables.shape)} must describe the same batch")
     return _launch_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, context_lens, block_tables, scale,
-                           k_cache.shape[1], True, block_m, block_n, out)
+                           k_cache.shape[1], True, block_m, block_n, out, skip_single)
 
 
 def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

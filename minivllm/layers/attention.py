@@ -70,12 +70,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         from minivllm.kernels.flash_attention import flash_paged_attention
         return flash_paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.context_lens,
                                      meta.block_tables, meta.max_seqlen_q, meta.max_seqlen_k, scale)
+    from minivllm.kernels.paged_decode import paged_decode_attention
     if meta.is_decode_only:
-        from minivllm.kernels.paged_decode import paged_decode_attention
         return paged_decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale,
                                       shared_prefix_len=meta.shared_prefix_len)
-    from minivllm.kernels.paged_prefill import paged_prefill_attention
-    return paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale)
+    from minivllm.kernels.paged_prefill import paged_prefill_attention   # a mixed step: the sequences of one token
+    out = paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+                                  scale, skip_single=True)   # go to the decode kernel, which packs and splits (06)
+    return paged_decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale, out=out,
+                                  cu_seqlens_q=meta.cu_seqlens_q)
 
 # %% ../../notebooks/05_paged_attention.ipynb #c68ad43e
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | None, scale: float,
