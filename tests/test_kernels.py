@@ -27,6 +27,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from minivllm.kernels import common  # noqa: E402
+from minivllm.kernels.activation import silu_mul  # noqa: E402
 from minivllm.kernels.bench import bench_copy, bench_decode  # noqa: E402
 from minivllm.kernels.cascade import (CASCADE_MIN_PREFIX, MAX_PREFIX_SPLITS, SHARED_BLOCK_M,  # noqa: E402
                                       cascade_prefix_len, choose_prefix_splits, shared_prefix_len, use_cascade)
@@ -34,6 +35,7 @@ from minivllm.kernels.paged_decode import (DECODE_BLOCK_N, MAX_SPLITS, choose_nu
                                            paged_decode_attention, plan_decode)
 from minivllm.kernels.paged_prefill import (PREFILL_BLOCK_M, paged_prefill_attention, plan_prefill,  # noqa: E402
                                             varlen_prefill_attention)
+from minivllm.kernels.gemv import gemv  # noqa: E402
 from minivllm.kernels.qk_norm_rope import qk_norm_rope_store  # noqa: E402
 from minivllm.kernels.reference import paged_attention_ref, store_kvcache_ref, varlen_attention_ref  # noqa: E402
 from minivllm.kernels.store_kvcache import store_kvcache  # noqa: E402
@@ -615,3 +617,77 @@ def test_qk_norm_rope_store_rejects_mismatches():
         call(torch.zeros(3, 8 * 12, device=DEVICE), dim=12)
     with pytest.raises(ValueError, match="do not fit"):
         call(torch.zeros(3, 8 * 16, device=DEVICE, dtype=torch.float16))
+
+
+# --- one row's products (gemv) and the MLP's activation (silu_mul), notebook 06's last section ---
+
+def plain_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.float().chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize("n, k", [(40, 1100), (7, 64), (4100, 33)])   # two loop steps; one; N past a 4-row tile
+def test_gemv_matches_f_linear(n, k):
+    g = torch.Generator().manual_seed(n)
+    x, w = torch.randn(1, k, generator=g).to(DEVICE), (torch.randn(n, k, generator=g) * k ** -0.5).to(DEVICE)
+    torch.testing.assert_close(gemv(x, w), torch.nn.functional.linear(x, w), atol=2e-5, rtol=2e-5)
+
+
+def test_gemv_fused_with_the_activation():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(1, 300, generator=g).to(DEVICE), (torch.randn(2 * 36, 300, generator=g) * 0.06).to(DEVICE)
+    want = plain_silu_and_mul(torch.nn.functional.linear(x, w))
+    torch.testing.assert_close(gemv(x, w, fuse_silu=True), want, atol=2e-5, rtol=2e-5)
+
+
+def test_gemv_rejects_what_it_does_not_compute():
+    w = torch.zeros(8, 16, device=DEVICE)
+    for x, weight, fuse in [(torch.zeros(2, 16), w, False), (torch.zeros(1, 12), w, False),
+                            (torch.zeros(1, 16, dtype=torch.float16), w, False), (torch.zeros(1, 16), w[:7], True)]:
+        with pytest.raises(ValueError, match="gemv takes one row"):
+            gemv(x.to(DEVICE), weight, fuse_silu=fuse)
+
+
+def test_silu_mul_matches_the_plain_expression():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 2, 2 * 1100, generator=g).to(DEVICE)          # 3-d, two column tiles
+    torch.testing.assert_close(silu_mul(x), plain_silu_and_mul(x), atol=2e-6, rtol=2e-6)
+    wide = torch.randn(5, 2 * 1100 + 10, generator=g).to(DEVICE)[:, 10:]   # rows not contiguous with each other
+    torch.testing.assert_close(silu_mul(wide), plain_silu_and_mul(wide), atol=2e-6, rtol=2e-6)
+    assert silu_mul(torch.zeros(0, 8, device=DEVICE)).shape == (0, 4)
+    with pytest.raises(ValueError, match="even last dimension"):
+        silu_mul(torch.zeros(2, 7, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gemv_and_silu_mul_at_qwen3_shapes_on_gpu():
+    "bfloat16 at Qwen3-0.6B's four products, and the layers that dispatch to the kernels for one row."
+    from minivllm.layers.activation import SiluAndMul
+    from minivllm.layers.linear import ReplicatedLinear
+    from minivllm.models.qwen3 import Qwen3MLP
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]:
+        x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
+        want = torch.nn.functional.linear(x.float(), w.float())
+        torch.testing.assert_close(gemv(x, w).float(), want, atol=2e-2, rtol=2e-2)
+        if n == 6144:
+            torch.testing.assert_close(gemv(x, w, fuse_silu=True).float(), plain_silu_and_mul(want), atol=2e-2,
+                                       rtol=2e-2)
+    x = torch.randn(16384, 6144, device="cuda", generator=g).bfloat16()
+    torch.testing.assert_close(silu_mul(x).float(), plain_silu_and_mul(x), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(SiluAndMul()(x).float(), plain_silu_and_mul(x), atol=2e-2, rtol=2e-2)
+    layer = ReplicatedLinear(1024, 4096).cuda().bfloat16()
+    torch.nn.init.normal_(layer.weight, std=0.03)
+    for rows in (1, 3):   # one row: gemv; three: cuBLAS
+        x = torch.randn(rows, 1024, device="cuda", generator=g).bfloat16()
+        torch.testing.assert_close(layer(x).float(), torch.nn.functional.linear(x.float(), layer.weight.float()),
+                                   atol=2e-2, rtol=2e-2)
+    mlp = Qwen3MLP(1024, 3072).cuda().bfloat16()
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.03)
+    x = torch.randn(1, 1024, device="cuda", generator=g).bfloat16()
+    gate_up = torch.nn.functional.linear(x.float(), mlp.gate_up_proj.weight.float())
+    want = torch.nn.functional.linear(plain_silu_and_mul(gate_up), mlp.down_proj.weight.float())
+    torch.testing.assert_close(mlp(x).float(), want, atol=2e-2, rtol=2e-2)

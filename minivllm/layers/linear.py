@@ -27,7 +27,11 @@ PACKED_MAX_ROWS = 256   # the most rows a product on the packed copy takes (the 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    "`x W^T + b`; with `packed`, oneDNN's copy of the weight on a CPU, for up to 256 rows (their count padded to 2^k)."
+    """`x W^T + b`; with `packed`, oneDNN's copy of the weight on a CPU, for up to 256 rows (their count padded to 2^k);
+    one row on a GPU: a matrix-vector kernel (`gemv`, notebook 06: cuBLAS reads a weight for one row slowly)."""
+    if x.is_cuda and bias is None and x.numel() == x.shape[-1]:   # one row on a GPU: notebook 06's kernel
+        from minivllm.kernels.gemv import gemv
+        return gemv(x.reshape(1, -1), weight).view(*x.shape[:-1], -1)
     rows = 0 if packed is None else x.numel() // max(x.shape[-1], 1)   # (no copy: a GPU, a layer nobody packed)
     if not 0 < rows <= PACKED_MAX_ROWS:
         return F.linear(x, weight, bias)

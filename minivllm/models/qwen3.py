@@ -80,7 +80,11 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if x.is_cuda and x.shape[0] == 1 and gate_up.bias is None:   # one token on a GPU: product and activation
+            from minivllm.kernels.gemv import gemv                    # in one kernel (notebook 06)
+            return self.down_proj(gemv(x, gate_up.weight, fuse_silu=True))
+        return self.down_proj(self.act_fn(gate_up(x)))
 
 # %% ../../notebooks/08_qwen3.ipynb #44c5901a
 @dataclass(frozen=True)
