@@ -24,9 +24,9 @@ __all__ = ['DECODE_BLOCK_N', 'DECODE_NUM_WARPS', 'DECODE_NUM_STAGES', 'DECODE_BL
 @triton.jit(do_not_specialize=["num_splits", "num_parts", "stride_bt"])
 def _paged_decode_kernel(
         out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-        prefix_len_ptr, cu_seqlens_q_ptr, qk_scale, num_splits, num_parts, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-        stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok, stride_v_head, stride_bt,
-        NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        prefix_len_ptr, cu_seqlens_q_ptr, qk_scale, num_splits, num_parts, stride_q_tok, stride_q_head, stride_o_tok,
+        stride_o_head, stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok, stride_v_head,
+        stride_bt, NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_SPLITS: tl.constexpr,
         CASCADE: tl.constexpr, FOLD_PREFIX: tl.constexpr, MIXED: tl.constexpr, DOT_PRECISION: tl.constexpr,
         DOT_FP32: tl.constexpr):
@@ -79,7 +79,8 @@ def _paged_decode_kernel(
     l_i = tl.where(l_i > 0, l_i, 1.0)   # nothing read (an empty split, a padding row): out 0, lse -inf
     out = acc / l_i[:, None]
     if USE_SPLITS:
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None] & dim_mask[None, :])
+        out_mask = row_mask[:, None] & dim_mask[None, :]
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
     else:
         tl.store(out_ptr + token * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
@@ -236,14 +237,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             num_warps=SHARED_NUM_WARPS, num_stages=SHARED_NUM_STAGES)
     _paged_decode_kernel[(num_kv_heads, batch, plan.num_splits)](
         out, part_out, part_lse, q, k_cache, v_cache, block_tables, context_lens,
-        shared_prefix_len if cascade else context_lens, cu_seqlens_q if mixed else context_lens, log2_scale, plan.num_splits, plan.num_parts,
+        shared_prefix_len if cascade else context_lens, cu_seqlens_q if mixed else context_lens, log2_scale,
+        plan.num_splits, plan.num_parts,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *sk[:3], *sv[:3], block_tables.stride(0),
         GROUP_PAD=max(16, plan.group_pad), BLOCK_N=block_n, USE_SPLITS=plan.use_splits, CASCADE=cascade,
         FOLD_PREFIX=plan.fold_prefix, MIXED=mixed, **common,
         num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages)
-    if plan.use_splits:
+    if plan.use_splits:   # (SPLITS_PAD picks a compiled variant: a mixed step's is always MAX_SPLITS's, see below)
         _merge_splits_kernel[(num_heads, batch)](
             out, part_out, part_lse, cu_seqlens_q if mixed else context_lens, plan.num_parts, out.stride(0),
             out.stride(1), NUM_Q_HEADS=num_heads, HEAD_DIM=head_dim, DIM_PAD=next_pow2(head_dim),
-            SPLITS_PAD=next_pow2(plan.num_parts), MIXED=mixed, num_warps=4)
+            SPLITS_PAD=next_pow2(MAX_SPLITS if mixed else plan.num_parts), MIXED=mixed, num_warps=4)
     return out
