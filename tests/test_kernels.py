@@ -218,6 +218,29 @@ def test_mixed_step_split_between_the_prefill_and_decode_kernels(num_splits, gro
     torch.testing.assert_close(out, want, **CPU_TOL)
 
 
+def test_a_mixed_steps_merge_is_one_compiled_variant_whatever_its_split_count(monkeypatch):
+    "SPLITS_PAD is a compile-time constant: a value not met before compiles a kernel, mid-run for an eager mixed step."
+    from minivllm.kernels import paged_decode
+    seen, kernel = [], paged_decode._merge_splits_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["SPLITS_PAD"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(paged_decode, "_merge_splits_kernel", Recorder())
+    q, kc, vc, ctx = random_step(MIXED["q_lens"], MIXED["ctx_lens"], 4, heads=2, kv_heads=2, seed=5)
+    want = ref(q, kc, vc, ctx, 0.3)
+    single = ctx.cu_seqlens_q[:-1][torch.tensor([n == 1 for n in MIXED["q_lens"]])].long()
+    for splits in (2, 3, 5):
+        out = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.3,
+                                     cu_seqlens_q=ctx.cu_seqlens_q, num_splits=splits)
+        torch.testing.assert_close(out[single], want[single], **CPU_TOL)
+    assert len(seen) == 3 and set(seen) == {common.next_pow2(paged_decode.MAX_SPLITS)}, seen
+
+
 def test_mixed_decode_rejects_a_shared_prefix_and_bad_prefix_sums():
     q, kc, vc, ctx = random_step(MIXED["q_lens"], MIXED["ctx_lens"], 4, heads=2, kv_heads=2)
     prefix = torch.tensor([4], dtype=torch.int32, device=DEVICE)
