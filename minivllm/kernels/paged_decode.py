@@ -78,13 +78,13 @@ def _paged_decode_kernel(
                                     num_parts - 1, dims, row_mask, HEAD_DIM)
     l_i = tl.where(l_i > 0, l_i, 1.0)   # nothing read (an empty split, a padding row): out 0, lse -inf
     out = acc / l_i[:, None]
+    out_mask = row_mask[:, None] & dim_mask[None, :]
     if USE_SPLITS:
-        out_mask = row_mask[:, None] & dim_mask[None, :]
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
     else:
         tl.store(out_ptr + token * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 # %% ../../notebooks/06_attention_kernels.ipynb #be175187
 @triton.jit(do_not_specialize=["num_splits"])
