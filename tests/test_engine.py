@@ -527,3 +527,34 @@ def test_no_step_is_left_in_flight_once_every_request_finished():
         assert engine.step() == []
         assert engine.stats == before and trace == []
         assert engine.stats.num_generated_tokens - generated == len(out.token_ids)
+
+
+# ---- the greedy pick recorded in the graphs (notebook 09) ------------------------------------------------------
+
+def test_a_graphs_greedy_pick_is_taken_only_for_an_all_greedy_batch_with_nothing_to_apply():
+    """A graph's replay leaves each row's argmax (`greedy_ids`) beside the logits. `_sample` takes it as the tokens only
+    when every row is greedy and no logits processor changes the logits; otherwise the sampler runs on the logits.
+    The 'argmax' handed in here is deliberately not the logits' argmax, so the test sees which path was taken."""
+    import numpy as np
+    from types import SimpleNamespace
+    with LLM(TINY_MODEL_PATH, **CPU_ENGINE) as llm:
+        runner, vocab = llm.llm_engine.executor.runner, llm.llm_engine.config.hf_config.vocab_size
+        logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))
+        argmax = logits.argmax(dim=-1)
+        recorded = (argmax + 1) % vocab   # a stand-in the sampler would never pick
+        cases = {"greedy": [SamplingParams(temperature=0)] * 2,
+                 "one random row": [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=1)],
+                 "a penalty": [SamplingParams(temperature=0), SamplingParams(temperature=0, repetition_penalty=1.5)]}
+        for k, (name, params) in enumerate(cases.items()):
+            ids = np.array([100 + 2 * k, 101 + 2 * k])
+            for seq_id, p in zip(ids.tolist(), params):
+                runner.add_request(seq_id, p, [5, 6, 7])
+            step = SimpleNamespace(seq_ids=ids)
+            took = runner._sample(logits.clone(), step, recorded).token_ids
+            eager = runner._sample(logits.clone(), step, None).token_ids   # an eager step: no recorded pick
+            if name == "greedy":
+                assert took is recorded and took.tolist() == recorded.tolist(), name
+                assert eager.tolist() == argmax.tolist(), name
+            else:
+                assert took.tolist() != recorded.tolist() and took[0] == argmax[0], name
+                assert took[0] == eager[0], name

@@ -61,7 +61,8 @@ class CUDAGraphRunner:
         self.batch_sizes = graph_batch_sizes(max_batch_size)
         self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
         self.inputs = GraphInputs(max_batch_size, -(-max_model_len // block_size), device)
-        self.logits = torch.zeros(max_batch_size, vocab_size, dtype=dtype, device=device)   # the graphs' output
+        self.logits = torch.zeros(max_batch_size, vocab_size, dtype=dtype, device=device)   # the graphs' outputs:
+        self.greedy_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)     # and each row's argmax
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # only batch sizes where a cascade can pay
         self.capture(model, cascade)
@@ -76,13 +77,18 @@ class CUDAGraphRunner:
                 variants.append((self.cascade_graphs, True))
             for graphs, shared in variants:
                 x = self.inputs.step(bs, self.max_model_len, shared)
-                model.compute_logits(model(x.input_ids, x.positions, x.meta), self.logits[:bs])   # warm-up
+                self.head(model, model(x.input_ids, x.positions, x.meta), bs)   # warm-up
                 graphs[bs] = graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):   # the model and its LM head: one launch fewer per step
-                    model.compute_logits(model(x.input_ids, x.positions, x.meta), self.logits[:bs])
+                with torch.cuda.graph(graph, pool):   # the model, its LM head and the greedy pick: fewer launches
+                    self.head(model, model(x.input_ids, x.positions, x.meta), bs)
                 pool = pool or graph.pool()
                 torch.cuda.synchronize()
         self.pool = pool   # (mixed steps' graphs, next section, share it)
+
+    def head(self, model: torch.nn.Module, hidden: torch.Tensor, rows: int) -> None:
+        "The LM head into the logits buffer, and each row's most likely token: what a replay leaves behind."
+        model.compute_logits(hidden, self.logits[:rows])
+        torch.argmax(self.logits[:rows], dim=-1, out=self.greedy_ids[:rows])
 
     def can_run(self, step: StepInputs) -> bool:
         return step.is_decode_only and step.sizes.num_seqs <= self.max_batch_size
@@ -111,7 +117,8 @@ class MixedGraphRunner:
     def __init__(self, model: torch.nn.Module, graphs: CUDAGraphRunner, max_num_batched_tokens: int,
                  device: torch.device):
         self.token_sizes = mixed_token_sizes(max_num_batched_tokens)
-        self.max_num_seqs, self.logits = graphs.max_batch_size, graphs.logits   # (the logits buffer: shared too)
+        self.max_num_seqs, self.decode = graphs.max_batch_size, graphs   # (its output buffers: shared too)
+        self.logits, self.greedy_ids = graphs.logits, graphs.greedy_ids
         self.inputs = GraphInputs(self.max_num_seqs, graphs.inputs.capacity.width, device, self.token_sizes[-1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture(model, graphs.max_model_len, graphs.pool)
@@ -121,11 +128,11 @@ class MixedGraphRunner:
         self.inputs.host_views[0]["slot_mapping"][:] = -1   # recording writes nothing into the cache
         self.inputs.device_buffer.copy_(self.inputs.hosts[0])   # (and zeros elsewhere: no sequence has a token)
         for tokens in reversed(self.token_sizes):
-            x = self.inputs.step(self.max_num_seqs, max_model_len, tokens=tokens)
-            model.compute_logits(model(x.input_ids, x.positions, x.meta)[x.logits_indices], self.logits)   # warm-up
+            x, head = self.inputs.step(self.max_num_seqs, max_model_len, tokens=tokens), self.decode.head
+            head(model, model(x.input_ids, x.positions, x.meta)[x.logits_indices], self.max_num_seqs)   # warm-up
             self.graphs[tokens] = graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                model.compute_logits(model(x.input_ids, x.positions, x.meta)[x.logits_indices], self.logits)
+                head(model, model(x.input_ids, x.positions, x.meta)[x.logits_indices], self.max_num_seqs)
             torch.cuda.synchronize()
 
     def can_run(self, step: StepInputs) -> bool:

@@ -98,7 +98,8 @@ def execute(self: ModelRunner, step: StepInputs) -> StepHandle:
     logits, prompt = (graphs.replay(step, input_ids), None) if graph else self._forward(step, input_ids)
     if self.tp.rank != 0:   # not the sampling rank
         return StepHandle()
-    handle = StepHandle() if logits is None else self._sample(logits, step)   # None: prompt chunks only
+    greedy_ids = graphs.greedy_ids[:len(logits)] if graph and logits is not None else None
+    handle = StepHandle() if logits is None else self._sample(logits, step, greedy_ids)   # None: prompt chunks only
     if prompt is not None:   # prompt log-probabilities: a few rows of prompt steps (never in a graph)
         handle.prompt_logprobs = gather_logprobs(*prompt, self.sampling.max_prompt_logprobs()).to_host()
     if self.device.type == "cuda" and (logits is not None or prompt is not None):
@@ -107,10 +108,15 @@ def execute(self: ModelRunner, step: StepInputs) -> StepHandle:
 
 
 @patch
-def _sample(self: ModelRunner, logits: torch.Tensor, step: StepInputs) -> StepHandle:
-    "Sample each row and queue the tokens' copy to the host (and their log-probabilities', when asked)."
+def _sample(self: ModelRunner, logits: torch.Tensor, step: StepInputs, greedy_ids: torch.Tensor | None = None
+            ) -> StepHandle:
+    """Sample each row and queue the tokens' copy to the host (and their log-probabilities', when asked);
+    `greedy_ids`: each row's argmax from a graph's replay, the tokens themselves if every row is greedy as it is."""
     sampling, generators = self.sampling.batch(step.seq_ids)
-    self.last_sampled = self.sampler(logits, sampling, generators, self.sampling.generator)
+    if greedy_ids is not None and sampling.all_greedy and sampling.processors is None:
+        self.last_sampled = greedy_ids   # (overwritten by the next replay, queued after every reader of this one)
+    else:
+        self.last_sampled = self.sampler(logits, sampling, generators, self.sampling.generator)
     logprobs = None
     if sampling.max_num_logprobs is not None:   # gathered now, to travel to the host with the tokens
         logprobs = gather_logprobs(logits, self.last_sampled, sampling.max_num_logprobs).to_host()
