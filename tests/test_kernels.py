@@ -354,16 +354,17 @@ def test_plan_decode_invariants(batch, num_kv_heads, group, max_context, sms, ca
 
 
 def test_plan_prefill_worked_examples():
-    # Qwen3: group 2, 64 rows = 32 tokens x 2 heads; 100 tokens in 3 sequences: 100 // 32 = 3, plus up to one short
-    # tile per sequence = 6 programs along axis 0, one per KV head along axis 1
-    assert PREFILL_BLOCK_M == 64
-    assert plan_prefill(100, 3, 16, 8) == (64, 32, (6, 8))
+    # Qwen3: group 2, 128 rows = 64 tokens x 2 heads; 100 tokens in 3 sequences: 100 // 64 = 1, plus up to one short
+    # tile per sequence = 4 programs along axis 0, one per KV head along axis 1
+    assert PREFILL_BLOCK_M == 128
+    assert plan_prefill(100, 3, 16, 8) == (128, 64, (4, 8))
+    assert plan_prefill(100, 3, 16, 8, block_m=64) == (64, 32, (6, 8))
     # group 3 padded to 4; a requested block_m of 8 is raised to 16 (tl.dot's minimum): 4 tokens per program
     assert plan_prefill(10, 2, 6, 2, block_m=8) == (16, 4, (10 // 4 + 2, 2))
     # 64 query heads per KV head: block_m grows to the group, one token per program, one program per token (+1)
     assert plan_prefill(5, 1, 64, 1, block_m=16) == (64, 1, (5 + 1, 1))
-    # multi-head, 7 decode tokens: block_q 64 > 7, so each sequence gets exactly its own program
-    assert plan_prefill(7, 7, 4, 4) == (64, 64, (7, 4))
+    # multi-head, 7 decode tokens: block_q 128 > 7, so each sequence gets exactly its own program
+    assert plan_prefill(7, 7, 4, 4) == (128, 128, (7, 4))
     assert plan_prefill(300, 1, 2, 1, block_m=128) == (128, 64, (300 // 64 + 1, 1))
 
 

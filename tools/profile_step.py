@@ -4,9 +4,11 @@
     python tools/profile_step.py --shared-prefix 1024 --context 300    # prompts = one shared 1,024-token prefix + 300
     python tools/profile_step.py --kv-cache-dtype fp8 --attention-backend triton   # an 8-bit cache, Triton kernels only
 
-Builds an LLM on the model (default: Qwen3-0.6B with random weights, see minivllm.bench), admits `--batch` requests
-of `--context` random prompt tokens, runs until every prompt is prefilled, then profiles `--steps` decode steps.
-Prints the top kernels by GPU time, the GPU time per step, and the host (CPU) time of the engine's Python per step.
+Builds an LLM on the model (default: Qwen3-0.6B with random weights, see minivllm.bench), warms it up on two prompts,
+admits `--batch` requests of `--context` random prompt tokens and profiles the first step (prompts only: its GPU time
+against the FLOP bound of its matrix products and causal attention, for a dense model's fresh prompts), runs until
+every prompt is prefilled, then profiles `--steps` decode steps. Prints the top kernels by GPU time, the GPU time per
+step, and the host (CPU) time of the engine's Python per step; `--out` writes both steps' kernels.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from minivllm import LLM, SamplingParams
 from minivllm.bench import environment, random_qwen3_folder
+from minivllm.engine.step_inputs import StepInputs
 
 
 PHASES = [  # (label, owner, attribute): the host work of one decode step, phase by phase
@@ -27,6 +30,8 @@ PHASES = [  # (label, owner, attribute): the host work of one decode step, phase
     ("input preparation (BatchBuilder.build)", "builder", "build"),
     ("graph replay: fill the pinned buffer, copy, launch", "graphs", "replay"),
     ("  of which cudaGraphLaunch (the driver)", "cuda_graph_class", "replay"),
+    ("  of which the buffer fill (GraphInputs.load)", "graph_inputs", "load"),
+    ("    of which the arrays into pinned memory (StepInputs.write)", "step_inputs_class", "write"),
     ("logits launch (lm_head)", "model", "compute_logits"),
     ("sampler launch", "runner", "sampler"),
     ("bookkeeping: tokens into sequences, stop rules (postprocess)", "scheduler", "postprocess"),
@@ -40,6 +45,7 @@ def host_breakdown(engine, steps: int) -> None:
     runner = engine.executor.runner
     owners = dict(scheduler=engine.scheduler, runner=runner, engine_module=engine_module, builder=engine.builder,
                   graphs=runner.graphs, cuda_graph_class=torch.cuda.CUDAGraph, model=runner.model,
+                  graph_inputs=runner.graphs and runner.graphs.inputs, step_inputs_class=StepInputs,
                   outputs=engine.outputs)
     totals, originals = {}, []
     for label, owner_name, attr in PHASES:
@@ -94,17 +100,22 @@ def main() -> None:
     random.seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps * 4 + 64, ignore_eos=True)
     prefix = [random.randint(0, 10000) for _ in range(args.shared_prefix)]
+    warm = [[random.randint(0, 10000) for _ in range(args.context)] for _ in range(2)]
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)   # kernels compiled before
     for _ in range(args.batch):
         engine.add_request(None, prefix + [random.randint(0, 10000) for _ in range(args.context)], params)
-    prefill_steps, start = 0, time.perf_counter()
-    engine.step()   # the first prefill step, then one profiled
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:   # the first step: prompts only
         engine.step()
         torch.cuda.synchronize()
-    prefill_steps = 2
-    events = prof.key_averages()
-    print(f"one prefill step ({engine.config.max_num_batched_tokens} tokens): GPU kernels "
-          f"{sum(t for _, t in kernel_totals(prof).values()) / 1e3:.2f} ms")
+    prefill_steps, prompt_lens = 1, prefill_composition(engine)
+    events, prefill_us = prof.key_averages(), sum(t for _, t in kernel_totals(prof).values())
+    bound_ms = prefill_bound_ms(engine, prompt_lens)
+    print(f"one prefill step ({sum(prompt_lens)} tokens of {len(prompt_lens)} prompts): GPU kernels "
+          f"{prefill_us / 1e3:.2f} ms against {bound_ms:.2f} ms for its matrix products and attention at "
+          f"{FLOPS / 1e12:.0f} TFLOP/s = {prefill_us / 1e3 / bound_ms:.2f}x")
+    prefill = dict(tokens=sum(prompt_lens), prompts=len(prompt_lens), gpu_ms=prefill_us / 1e3, bound_ms=bound_ms,
+                   kernels=kernel_rows(prof, 1))
     print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running + list(engine.scheduler.waiting)):
@@ -137,8 +148,28 @@ def main() -> None:
     print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
     if args.out:
-        write_kernels(args, prof, wall, layers)
+        write_kernels(args, prof, wall, layers, prefill)
     llm.close()
+
+
+FLOPS = 790e12   # the H200's dense bfloat16 matrix rate, as the bench's roofline takes it (--flops there)
+
+
+def prefill_composition(engine) -> list[int]:
+    "The prompt tokens each sequence computed in the step just run (all prompts: the first step of a fresh batch)."
+    return [s.num_computed_tokens for s in engine.scheduler.running if s.num_computed_tokens]
+
+
+def prefill_bound_ms(engine, prompt_lens: list[int]) -> float:
+    """Milliseconds for a prefill step's matrix products (2 FLOPs per weight per token, every layer, the LM head for
+    one row per prompt) and causal attention (QK^T and PV over the positions each token sees) at FLOPS."""
+    cfg, model = engine.config.hf_config, engine.executor.runner.model
+    layer_weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and ".layers." in n)
+    head = cfg.vocab_size * cfg.hidden_size
+    pairs = sum(n * (n + 1) // 2 for n in prompt_lens)
+    attention = 4 * pairs * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+    flops = 2 * sum(prompt_lens) * layer_weights + 2 * len(prompt_lens) * head + attention
+    return flops / FLOPS * 1e3
 
 
 def kernel_events(prof) -> list:
@@ -157,13 +188,18 @@ def kernel_totals(prof) -> dict[str, list[float]]:
     return totals
 
 
-def write_kernels(args, prof, wall: float, layers: int) -> None:
-    "The profiled decode steps' kernels, per step: name, launches, GPU microseconds (results file for notebook 13)."
-    rows = sorted(({"name": n, "launches": c / args.steps, "us": t / args.steps}
-                   for n, (c, t) in kernel_totals(prof).items()), key=lambda r: -r["us"])
+def kernel_rows(prof, steps: int) -> list[dict]:
+    "Per step: each kernel's name, launches and GPU microseconds, the costliest first."
+    return sorted(({"name": n, "launches": c / steps, "us": t / steps} for n, (c, t) in kernel_totals(prof).items()),
+                  key=lambda r: -r["us"])
+
+
+def write_kernels(args, prof, wall: float, layers: int, prefill: dict) -> None:
+    "The profiled decode steps' kernels per step, and the prefill step's (results file for notebooks 06 and 13)."
     with open(args.out, "w") as f:
         json.dump(dict(batch=args.batch, context=args.context, steps=args.steps, layers=layers,
-                       decode_step_ms_wall=wall * 1e3, environment=environment(), kernels=rows), f, indent=1)
+                       decode_step_ms_wall=wall * 1e3, environment=environment(),
+                       kernels=kernel_rows(prof, args.steps), prefill_step=prefill), f, indent=1)
     print(f"kernels written to {args.out}")
 
 

@@ -57,9 +57,27 @@ def _paged_prefill_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     kv_end = tl.minimum(context_len, context_len - q_len + first + BLOCK_Q)  # past the last query position: unseen
     kv_start = tl.load(kv_start_ptr + seq).to(tl.int64)                      # used when not PAGED
-    for start in range(0, kv_end, BLOCK_N):
+    whole = (context_len - q_len + first + 1) // BLOCK_N * BLOCK_N   # tiles before it: every row sees all of them
+    for diagonal in tl.static_range(2):   # those tiles with no mask at all, then the rest (the causal diagonal)
+        tiles_from, tiles_to = (whole, kv_end) if diagonal else (0, whole)
+        m_i, l_i, acc = _prefill_tiles(
+            q, m_i, l_i, acc, tiles_from, tiles_to, kv_end, q_pos, seq, kv_head, kv_start, k_ptr, v_ptr, block_tables_ptr,
+            qk_scale, stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok, stride_v_head,
+            stride_bt, offs_n, dims, dim_mask, PAGE_SIZE, BLOCK_N, PAGED, diagonal, DOT_PRECISION)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + tok)[:, None] * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+@triton.jit
+def _prefill_tiles(q, m_i, l_i, acc, lo, hi, kv_end, q_pos, seq, kv_head, kv_start, k_ptr, v_ptr, block_tables_ptr,
+                   qk_scale, stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok, stride_v_head,
+                   stride_bt, offs_n, dims, dim_mask, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   PAGED: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    "KV positions [lo, hi) in tiles of BLOCK_N, folded into the running softmax; MASKED: past kv_end or the diagonal."
+    for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
-        valid = pos < kv_end
+        valid = (pos < kv_end) if MASKED else tl.full([BLOCK_N], 1, tl.int1)
         if PAGED:
             block = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
             k_rows = block * stride_k_block + (pos % PAGE_SIZE) * stride_k_tok
@@ -70,21 +88,18 @@ def _paged_prefill_kernel(
                     mask=valid[None, :] & dim_mask[:, None], other=0.0)
         v = tl.load(v_ptr + (v_rows + kv_head * stride_v_head)[:, None] + dims[None, :],
                     mask=valid[:, None] & dim_mask[None, :], other=0.0)
-        k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)   # (an 8-bit cache's tiles: to q's dtype)
-        if DOT_FP32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = k.to(q.dtype), v.to(q.dtype)   # (an 8-bit cache's tiles, or float32 dots: to q's dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        if MASKED:
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + (q_start + tok)[:, None] * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+    return m_i, l_i, acc
 
 # %% ../../notebooks/06_attention_kernels.ipynb #7573fddb
-PREFILL_BLOCK_M = 64     # query rows per program: BLOCK_Q tokens x group heads
-PREFILL_BLOCK_N = 64     # KV positions per tile
-PREFILL_NUM_WARPS = 4
-PREFILL_NUM_STAGES = 2
+PREFILL_BLOCK_M = 128    # query rows per program: BLOCK_Q tokens x group heads
+PREFILL_BLOCK_N = 32     # KV positions per tile
+PREFILL_NUM_WARPS = 8    # (the tiles of the H200 sweep in the GPU section: 64 / 64 / 4 / 2 before it)
+PREFILL_NUM_STAGES = 3
 
 
 def plan_prefill(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
@@ -97,7 +112,7 @@ def plan_prefill(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: i
 
 # %% ../../notebooks/06_attention_kernels.ipynb #ca5b92e5
 def _launch_prefill(q, k, v, cu_seqlens_q, kv_start, context_lens, block_tables, scale, page_size, paged,
-                    block_m, block_n, out, skip_single=False):
+                    block_m, block_n, out, skip_single=False, num_warps=None, num_stages=None):
     (num_tokens, num_heads, head_dim), num_kv_heads = q.shape, k.shape[-2]
     if num_heads % num_kv_heads or k.shape[-1] != head_dim:
         raise ValueError(f"q {tuple(q.shape)} does not fit k/v {tuple(k.shape)}: head_dim must match and the number "
@@ -117,14 +132,15 @@ def _launch_prefill(q, k, v, cu_seqlens_q, kv_start, context_lens, block_tables,
         GROUP=num_heads // num_kv_heads, GROUP_PAD=next_pow2(num_heads // num_kv_heads), HEAD_DIM=head_dim,
         DIM_PAD=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n or PREFILL_BLOCK_N, PAGED=paged, SKIP_SINGLE=skip_single,
-        **dot_options(q.dtype), num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES)
+        **dot_options(q.dtype), num_warps=num_warps or PREFILL_NUM_WARPS, num_stages=num_stages or PREFILL_NUM_STAGES)
     return out
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                             scale: float, *, block_m: int | None = None, block_n: int | None = None,
-                            out: torch.Tensor | None = None, skip_single: bool = False) -> torch.Tensor:
+                            out: torch.Tensor | None = None, skip_single: bool = False, num_warps: int | None = None,
+                            num_stages: int | None = None) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks over cached prefixes, decode tokens) over the paged cache;
     `skip_single`: sequences of one query token are left out (unwritten), for the decode kernel (next section)."""
     check_kv_cache(k_cache, v_cache)
@@ -132,7 +148,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, context_lens {tuple(context_lens.shape)} and "
                          f"block_tables {tuple(block_tables.shape)} must describe the same batch")
     return _launch_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, context_lens, block_tables, scale,
-                           k_cache.shape[1], True, block_m, block_n, out, skip_single)
+                           k_cache.shape[1], True, block_m, block_n, out, skip_single, num_warps, num_stages)
 
 
 def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
