@@ -48,6 +48,9 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "activation fused into gate_up's; the dispatch in linear and Qwen3MLP)": 59,
     "issue 16 (part), the MLP's activation as a Triton kernel instead of the compiled expression "
     "(kernels/activation.py, silu_and_mul's dispatch)": 40,
+    "issue 16 (part), the greedy pick recorded in the graphs (CUDAGraphRunner.head, greedy_ids, _sample's use)": 13,
+    "issue 16 (part), the prefill kernel masks only the causal diagonal (_prefill_tiles called twice; the launchers' "
+    "num_warps / num_stages)": 16,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

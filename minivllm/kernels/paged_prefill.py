@@ -68,7 +68,7 @@ def _paged_prefill_kernel(
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
-
+# %% ../../notebooks/06_attention_kernels.ipynb #42640e97
 @triton.jit
 def _prefill_tiles(q, m_i, l_i, acc, lo, hi, kv_end, q_pos, seq, kv_head, kv_start, k_ptr, v_ptr, block_tables_ptr,
                    qk_scale, stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok, stride_v_head,
