@@ -35,7 +35,7 @@ from minivllm.kernels.paged_decode import (DECODE_BLOCK_N, MAX_SPLITS, choose_nu
                                            paged_decode_attention, plan_decode)
 from minivllm.kernels.paged_prefill import (PREFILL_BLOCK_M, paged_prefill_attention, plan_prefill,  # noqa: E402
                                             varlen_prefill_attention)
-from minivllm.kernels.gemv import gemv  # noqa: E402
+from minivllm.kernels.gemv import gemv, norm_gemv  # noqa: E402
 from minivllm.kernels.qk_norm_rope import qk_norm_rope_store  # noqa: E402
 from minivllm.kernels.reference import paged_attention_ref, store_kvcache_ref, varlen_attention_ref  # noqa: E402
 from minivllm.kernels.store_kvcache import store_kvcache  # noqa: E402
@@ -672,6 +672,32 @@ def test_gemv_rejects_what_it_does_not_compute():
             gemv(x.to(DEVICE), weight, fuse_silu=fuse)
 
 
+@pytest.mark.parametrize("n, k, residual, fuse", [(40, 1100, True, False), (7, 64, False, False),
+                                                (2 * 36, 300, True, True), (2 * 5, 33, False, True)])
+def test_norm_gemv_matches_the_norm_then_the_product(n, k, residual, fuse):
+    "rms_norm(x + residual) * w_norm, then F.linear (and the activation), against the one kernel; the sum it returns."
+    from minivllm.layers.layernorm import add_rms_norm, rms_norm
+    g = torch.Generator().manual_seed(n + k)
+    x, res = torch.randn(1, k, generator=g).to(DEVICE), torch.randn(1, k, generator=g).to(DEVICE)
+    nw, w = 1 + 0.1 * torch.randn(k, generator=g).to(DEVICE), (torch.randn(n, k, generator=g) * k ** -0.5).to(DEVICE)
+    normed, total = add_rms_norm(x, res, nw, 1e-6) if residual else (rms_norm(x, nw, 1e-6), x)
+    want = torch.nn.functional.linear(normed, w)
+    y, carried = norm_gemv(x, res if residual else None, nw, 1e-6, w, fuse_silu=fuse)
+    torch.testing.assert_close(y, plain_silu_and_mul(want) if fuse else want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(carried, total, atol=0, rtol=0)
+    assert (carried is x) == (not residual)
+
+
+def test_norm_gemv_rejects_what_it_does_not_compute():
+    x, w, nw = torch.zeros(1, 16, device=DEVICE), torch.zeros(8, 16, device=DEVICE), torch.ones(16, device=DEVICE)
+    with pytest.raises(ValueError, match="norm_gemv takes one row"):
+        norm_gemv(torch.zeros(2, 16, device=DEVICE), None, nw, 1e-6, w)
+    with pytest.raises(ValueError, match="residual must match"):
+        norm_gemv(x, torch.zeros(1, 8, device=DEVICE), nw, 1e-6, w)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        norm_gemv(x, None, nw[:8], 1e-6, w)
+
+
 def test_silu_mul_matches_the_plain_expression():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(3, 2, 2 * 1100, generator=g).to(DEVICE)          # 3-d, two column tiles
@@ -715,3 +741,38 @@ def test_gemv_and_silu_mul_at_qwen3_shapes_on_gpu():
     gate_up = torch.nn.functional.linear(x.float(), mlp.gate_up_proj.weight.float())
     want = torch.nn.functional.linear(plain_silu_and_mul(gate_up), mlp.down_proj.weight.float())
     torch.testing.assert_close(mlp(x).float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_norm_gemv_and_the_decoder_layers_one_row_path_on_gpu():
+    "bfloat16 at Qwen3-0.6B's normed products; a decoder layer's one-row path against its plain path."
+    from transformers import Qwen3Config
+
+    from minivllm.layers.layernorm import add_rms_norm
+    from minivllm.layers.rotary_embedding import get_rope
+    from minivllm.models.qwen3 import Qwen3DecoderLayer
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, fuse in [(4096, False), (6144, True)]:
+        x, res = (torch.randn(1, 1024, device="cuda", generator=g).bfloat16() for _ in range(2))
+        nw = (1 + 0.1 * torch.randn(1024, device="cuda", generator=g)).bfloat16()
+        w = (torch.randn(n, 1024, device="cuda", generator=g) * 1024 ** -0.5).bfloat16()
+        normed, total = add_rms_norm(x, res, nw, 1e-6)
+        want = torch.nn.functional.linear(normed.float(), w.float())
+        y, carried = norm_gemv(x, res, nw, 1e-6, w, fuse_silu=fuse)
+        assert torch.equal(carried, total)   # the sum rounds as the plain add does
+        torch.testing.assert_close(y.float(), plain_silu_and_mul(want) if fuse else want, atol=2e-2, rtol=2e-2)
+    config = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+                         head_dim=128, num_hidden_layers=1, vocab_size=1000)
+    layer = Qwen3DecoderLayer(config, get_rope(128, 128, 4096, 1e6)).cuda()   # float32: the paths differ only in
+    for p in layer.parameters():                                              # the order of their sums
+        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.03)
+    x, res = (torch.randn(1, 1024, device="cuda", generator=g) for _ in range(2))
+    pos = torch.tensor([5], device="cuda")
+    assert layer.norms_in_products(x)
+    fused = [layer(pos, x, r) for r in (res, None)]
+    layer.norms_in_products = lambda x: False   # the plain path, for the same row
+    plain = [layer(pos, x, r) for r in (res, None)]
+    for (out, carried), (want_out, want_carried) in zip(fused, plain):
+        torch.testing.assert_close(carried, want_carried, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)

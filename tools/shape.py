@@ -51,6 +51,9 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "issue 16 (part), the greedy pick recorded in the graphs (CUDAGraphRunner.head, greedy_ids, _sample's use)": 13,
     "issue 16 (part), the prefill kernel masks only the causal diagonal (_prefill_tiles called twice; the launchers' "
     "num_warps / num_stages)": 16,
+    "issue 16 (part), a decode step of one sequence runs each norm inside the product after it (kernels/gemv.py: "
+    "_norm_gemv_kernel, norm_gemv, the shared check_row; Qwen3DecoderLayer.norms_in_products and _one_row; "
+    "Qwen3Attention.attend)": 71,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

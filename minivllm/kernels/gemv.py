@@ -31,15 +31,20 @@ def _gemv_kernel(y_ptr, x_ptr, w_ptr, N, K, FUSE_SILU: tl.constexpr, BLOCK_N: tl
     tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n < N)
 
 
+def check_row(x: torch.Tensor, weight: torch.Tensor, fuse_silu: bool, name: str = "gemv"
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    fits = x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and weight.shape[1] == x.shape[1]
+    if not fits or x.dtype != weight.dtype or (fuse_silu and weight.shape[0] % 2):
+        raise ValueError(f"{name} takes one row x [1, K] and a weight [N, K] of its dtype (N even with fuse_silu), "
+                         f"got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    check_device(x, weight)
+    return x.contiguous(), weight.contiguous()   # (no copies in the model: both already are)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, fuse_silu: bool = False) -> torch.Tensor:
     """`x @ weight.T` for one row `x` [1, K] and `weight` [N, K]; with `fuse_silu`, `weight` is `[gate; up]` [2N, K]
     and the result `silu(x @ gate.T) * (x @ up.T)`. [1, N], in `x`'s dtype, accumulated in float32."""
-    fits = x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and weight.shape[1] == x.shape[1]
-    if not fits or x.dtype != weight.dtype or (fuse_silu and weight.shape[0] % 2):
-        raise ValueError(f"gemv takes one row x [1, K] and a weight [N, K] of its dtype (N even with fuse_silu), "
-                         f"got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
-    check_device(x, weight)
-    x, weight = x.contiguous(), weight.contiguous()   # (no copies in the model: both already are)
+    x, weight = check_row(x, weight, fuse_silu)
     n = weight.shape[0] // 2 if fuse_silu else weight.shape[0]
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n = 4 if n >= 4096 else 2   # several programs per SM even for 1,024 outputs (the sweep below)
@@ -48,4 +53,49 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fuse_silu: bool = False) -> torc
     return y
 
 # %% auto #0
-__all__ = ['GEMV_BLOCK_K', 'gemv']
+__all__ = ['GEMV_BLOCK_K', 'check_row', 'gemv', 'norm_gemv']
+
+# %% ../../notebooks/06_attention_kernels.ipynb #258eb244
+@triton.jit
+def _norm_gemv_kernel(y_ptr, sum_ptr, x_ptr, res_ptr, nw_ptr, w_ptr, N, K, eps, HAS_RESIDUAL: tl.constexpr,
+                      FUSE_SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    "`gemv` of the row rms_norm(x + residual) * nw, all K inputs in one load (BLOCK_K >= K); program 0 stores the sum."
+    n, k = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
+    mask = (n < N)[:, None] & (k < K)[None, :]
+    w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=mask, other=0.0)   # first: the long wait
+    if FUSE_SILU:
+        up = tl.load(w_ptr + (n + N)[:, None].to(tl.int64) * K + k[None, :], mask=mask, other=0.0)
+    h = tl.load(x_ptr + k, mask=k < K, other=0.0)
+    if HAS_RESIDUAL:   # the pending add, rounded to the model's dtype as the plain add is
+        h = (h.to(tl.float32) + tl.load(res_ptr + k, mask=k < K, other=0.0).to(tl.float32)).to(h.dtype)
+        tl.store(sum_ptr + k, h, mask=(k < K) & (tl.program_id(0) == 0))
+    h = h.to(tl.float32)
+    normed = (h * tl.rsqrt(tl.sum(h * h) / K + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    x = (normed * tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+    x = x.to(tl.float32)[None, :]
+    acc = tl.sum(w.to(tl.float32) * x, axis=1)
+    if FUSE_SILU:
+        acc = acc / (1.0 + tl.exp(-acc)) * tl.sum(up.to(tl.float32) * x, axis=1)
+    tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n < N)
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+              weight: torch.Tensor, fuse_silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gemv(rms_norm(x + residual) * norm_weight, weight, fuse_silu)` in one kernel, for one row `x` [1, K]. Returns
+    the product and `x + residual`, the residual carried on (`x` itself when `residual` is None)."""
+    x, weight = check_row(x, weight, fuse_silu, "norm_gemv")
+    k = x.shape[1]
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"norm_gemv's residual must match x {tuple(x.shape)} {x.dtype}, "
+                         f"got {tuple(residual.shape)} {residual.dtype}")
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"norm_gemv's norm_weight must be [{k}] of {x.dtype}, "
+                         f"got {tuple(norm_weight.shape)} {norm_weight.dtype}")
+    n = weight.shape[0] // 2 if fuse_silu else weight.shape[0]
+    y, total = torch.empty(1, n, dtype=x.dtype, device=x.device), x if residual is None else torch.empty_like(x)
+    block_k = triton.next_power_of_2(k)
+    block_n = max(1, min(4 if n >= 4096 else 2, 4096 // block_k))   # a tile of at most 4,096 weights
+    _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+        y, total, x, x if residual is None else residual.contiguous(), norm_weight, weight, n, k, eps,
+        HAS_RESIDUAL=residual is not None, FUSE_SILU=fuse_silu, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return y, total

@@ -42,7 +42,10 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 meta: AttentionMetadata | None = None) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
+        return self.attend(positions, self.qkv_proj(hidden_states), meta)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
+        "Everything after the QKV product (which the decoder layer may run itself, with its norm: below)."
         if (q := self._one_kernel(qkv, positions, meta)) is not None:   # a GPU step: norms, rotation, KV write
             return self.o_proj(self.attn(q, None, None, meta).flatten(1, -1))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -122,6 +125,8 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         "Returns `(mlp_output, residual)`: the layer's output is their sum, added by the next norm."
+        if self.norms_in_products(hidden_states):
+            return self._one_row(positions, hidden_states, residual, meta)
         if residual is None:
             hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
         else:
@@ -129,6 +134,22 @@ class Qwen3DecoderLayer(nn.Module):
         hidden_states = self.self_attn(positions, hidden_states, meta)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+    def norms_in_products(self, x: torch.Tensor) -> bool:
+        "One token on a GPU, no biases, a dense MLP: each norm can run inside the product after it (notebook 06)."
+        attn, mlp = self.self_attn, self.mlp
+        return x.is_cuda and x.shape[0] == 1 and attn.qkv_proj.bias is None and isinstance(mlp, Qwen3MLP) \
+            and mlp.gate_up_proj.bias is None
+
+    def _one_row(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                 meta: AttentionMetadata | None) -> tuple[torch.Tensor, torch.Tensor]:
+        "`forward` for one token, each norm run by the product after it: two kernels a layer fewer."
+        from minivllm.kernels.gemv import norm_gemv
+        attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = norm_gemv(x, residual, norm1.weight, norm1.eps, attn.qkv_proj.weight)
+        hidden_states = attn.attend(positions, qkv, meta)
+        act, residual = norm_gemv(hidden_states, residual, norm2.weight, norm2.eps, mlp.gate_up_proj.weight, True)
+        return mlp.down_proj(act), residual
 
 
 def head_dim(config: Qwen3Config) -> int:
