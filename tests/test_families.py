@@ -193,5 +193,8 @@ def test_gpu_greedy_parity_under_cuda_graphs(family):
     with LLM(str(folder), device="cuda", dtype="float32", skip_tokenizer_init=True, max_model_len=256,
              gpu_memory_utilization=0.3) as llm:
         assert llm.llm_engine.executor.runner.graphs is not None   # CUDA graphs were captured
-        outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+        greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        outs = llm.generate(ids, greedy, use_tqdm=False)
+        alone = llm.generate(ids[:1], greedy, use_tqdm=False)   # one sequence: the one-row path (norm_gemv)
     assert [o.outputs[0].token_ids for o in outs] == reference, name
+    assert alone[0].outputs[0].token_ids == reference[0], name
