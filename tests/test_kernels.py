@@ -776,3 +776,37 @@ def test_norm_gemv_and_the_decoder_layers_one_row_path_on_gpu():
     for (out, carried), (want_out, want_carried) in zip(fused, plain):
         torch.testing.assert_close(carried, want_carried, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+
+
+def test_early_launch_only_on_a_capable_gpu(monkeypatch):
+    "Programmatic dependent launch: never in the interpreter or on a CPU tensor, and MINIVLLM_PDL=0 turns it off."
+    assert not common.use_pdl(torch.device("cpu"))
+    if torch.cuda.is_available():
+        capable = torch.cuda.get_device_capability()[0] >= 9 and torch.version.hip is None
+        assert common.use_pdl(torch.device("cuda")) == capable
+        monkeypatch.setattr(common, "ENABLE_PDL", False)
+        assert not common.use_pdl(torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_early_launch_changes_no_bits_on_gpu(monkeypatch):
+    "A decode step's kernels (4 layers, batch 1) replayed from CUDA graphs, launched plainly and early: same bits."
+    from tools.pdl_probe import decode_step_kernels
+    step = decode_step_kernels(layers=4, context=2048)
+    outs = {}
+    for early in (False, True):
+        monkeypatch.setattr(common, "ENABLE_PDL", early)
+        step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        results = []
+        for _ in range(20):   # replayed back to back: a read too early would show as a difference
+            graph.replay()
+            results.append(out.clone())
+        torch.cuda.synchronize()
+        assert all(torch.equal(r, results[0]) for r in results)
+        outs[early] = results[0]
+    assert torch.equal(outs[False], outs[True])
+    assert torch.isfinite(outs[True]).all()

@@ -8,7 +8,8 @@ stubbed out, so what is timed is the bookkeeping a GPU step needs from the host.
 The engine is the tiny model's on the CPU, with default settings (asynchronous scheduling on). Then:
 
 - the model is a stub whose forward pass returns zeros, `compute_logits` returns its input and the sampler returns
-  fixed random token ids (greedy requests with `ignore_eos`, so every request runs to `max_tokens`);
+  fixed random token ids, none of them an eos, as does the graphs' greedy pick (greedy requests, so every request runs
+  to `max_tokens`);
 - decode steps go through a `CUDAGraphRunner` whose recorded graphs are no-ops and whose buffers are plain host
   memory: `ModelRunner.execute` takes the GPU's path, and `replay` fills its host mirror and copies it into the
   "device" buffer as it would on the GPU.
@@ -91,6 +92,7 @@ def host_engine(batch: int, prompt_len: int, max_tokens: int, seed: int = 0):
     runner.model = StubModel(config.hf_config.hidden_size)
     runner.sampler = StubSampler(config.max_num_batched_tokens, config.hf_config.vocab_size)
     runner.graphs = host_graph_runner(runner.model, config)
+    runner.graphs.greedy_ids.copy_(runner.sampler.ids[:len(runner.graphs.greedy_ids)])   # what the no-op graphs "pick"
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for _ in range(batch):

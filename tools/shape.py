@@ -54,6 +54,9 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "issue 16 (part), a decode step of one sequence runs each norm inside the product after it (kernels/gemv.py: "
     "_norm_gemv_kernel, norm_gemv, the shared check_row; Qwen3DecoderLayer.norms_in_products and _one_row; "
     "Qwen3Attention.attend)": 71,
+    "issue 16 (part), programmatic dependent launch for a decode step's kernels, off unless MINIVLLM_PDL=1 "
+    "(kernels/common.py: use_pdl, pdl_launch_next, pdl_wait; the waits in five kernels and their launchers; gemv's "
+    "first tile of weights loaded before the wait, _gemv_tile)": 60,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

@@ -3,9 +3,13 @@
 # %% ../../notebooks/06_attention_kernels.ipynb #44e94789
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .backends import INTERPRET
 
@@ -35,7 +39,37 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache and v_cache need a contiguous last dimension (head_dim)")
 
 # %% auto #0
-__all__ = ['next_pow2', 'check_device', 'dot_options', 'check_kv_cache', 'online_softmax_update']
+__all__ = ['ENABLE_PDL', 'next_pow2', 'check_device', 'dot_options', 'check_kv_cache', 'use_pdl', 'pdl_launch_next', 'pdl_wait',
+           'online_softmax_update']
+
+# %% ../../notebooks/06_attention_kernels.ipynb #70f3368d
+ENABLE_PDL = os.environ.get("MINIVLLM_PDL", "0") == "1"   # off until measured in the engine (the section)
+
+
+@functools.cache   # a fact of the hardware
+def _pdl_capable(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    "Launch a decode step's kernels early (programmatic dependent launch, compute capability 9.0 and later)?"
+    if not ENABLE_PDL or INTERPRET or device.type != "cuda":
+        return False
+    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def pdl_launch_next(PDL: tl.constexpr):
+    "Let the next kernel's programs start (they run until their own `pdl_wait`)."
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    "Wait until the kernel ahead has finished and its writes are visible. Before it, read only the weights."
+    if PDL:
+        gdc_wait()
 
 # %% ../../notebooks/06_attention_kernels.ipynb #77388cde
 @triton.jit

@@ -7,25 +7,40 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_device
+from .common import check_device, pdl_launch_next, pdl_wait, use_pdl
 
-GEMV_BLOCK_K = 1024   # inputs per loop step: a layer's whole row in one to three steps
+GEMV_BLOCK_K = 1024   # inputs per tile: a layer's whole row in one to three tiles
 
 
 @triton.jit
-def _gemv_kernel(y_ptr, x_ptr, w_ptr, N, K, FUSE_SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_tile(w_ptr, n, k, N, K, FUSE_SILU: tl.constexpr):
+    "One tile of weight rows n (and, with FUSE_SILU, of the up rows N + n) over inputs k."
+    mask = (n < N)[:, None] & (k < K)[None, :]
+    w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = w
+    if FUSE_SILU:
+        up = tl.load(w_ptr + (n + N)[:, None].to(tl.int64) * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    return w, up
+
+
+@triton.jit
+def _gemv_kernel(y_ptr, x_ptr, w_ptr, N, K, FUSE_SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr = False):
     "y[n] = x . w[n] for BLOCK_N rows; FUSE_SILU: w is [2N, K] (gate rows, then up rows), y[n] = silu(g[n]) * u[n]."
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc, acc_up = tl.zeros([BLOCK_N], tl.float32), tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-        mask = (n < N)[:, None] & (k < K)[None, :]
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=mask, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x, axis=1)
+    pdl_launch_next(PDL)   # (PDL: the section "start the next kernel early", at the end of the notebook)
+    n, k = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
+    w, up = _gemv_tile(w_ptr, n, k, N, K, FUSE_SILU)   # the first tile's weights: no kernel writes them
+    pdl_wait(PDL)                                      # x: the kernel ahead's output
+    x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+    acc, acc_up = tl.sum(w * x, axis=1), tl.zeros([BLOCK_N], tl.float32)
+    if FUSE_SILU:
+        acc_up = tl.sum(up * x, axis=1)
+    for k0 in range(BLOCK_K, K, BLOCK_K):              # the row's other tiles
+        w, up = _gemv_tile(w_ptr, n, k0 + k, N, K, FUSE_SILU)
+        x = tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)[None, :]
+        acc += tl.sum(w * x, axis=1)
         if FUSE_SILU:
-            up = tl.load(w_ptr + (n + N)[:, None].to(tl.int64) * K + k[None, :], mask=mask, other=0.0)
-            acc_up += tl.sum(up.to(tl.float32) * x, axis=1)
+            acc_up += tl.sum(up * x, axis=1)
     if FUSE_SILU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n < N)
@@ -47,9 +62,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fuse_silu: bool = False) -> torc
     x, weight = check_row(x, weight, fuse_silu)
     n = weight.shape[0] // 2 if fuse_silu else weight.shape[0]
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_n = 4 if n >= 4096 else 2   # several programs per SM even for 1,024 outputs (the sweep below)
+    block_n, pdl = (4 if n >= 4096 else 2), use_pdl(x.device)   # several programs per SM for 1,024 outputs (below)
     _gemv_kernel[(triton.cdiv(n, block_n),)](y, x, weight, n, x.shape[1], FUSE_SILU=fuse_silu, BLOCK_N=block_n,
-                                            BLOCK_K=GEMV_BLOCK_K, num_warps=4)
+                                            BLOCK_K=GEMV_BLOCK_K, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return y
 
 # %% auto #0
@@ -58,13 +73,15 @@ __all__ = ['GEMV_BLOCK_K', 'check_row', 'gemv', 'norm_gemv']
 # %% ../../notebooks/06_attention_kernels.ipynb #258eb244
 @triton.jit
 def _norm_gemv_kernel(y_ptr, sum_ptr, x_ptr, res_ptr, nw_ptr, w_ptr, N, K, eps, HAS_RESIDUAL: tl.constexpr,
-                      FUSE_SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      FUSE_SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     "`gemv` of the row rms_norm(x + residual) * nw, all K inputs in one load (BLOCK_K >= K); program 0 stores the sum."
+    pdl_launch_next(PDL)
     n, k = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
     mask = (n < N)[:, None] & (k < K)[None, :]
     w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=mask, other=0.0)   # first: the long wait
     if FUSE_SILU:
         up = tl.load(w_ptr + (n + N)[:, None].to(tl.int64) * K + k[None, :], mask=mask, other=0.0)
+    pdl_wait(PDL)   # the row and the residual: the kernels ahead's outputs
     h = tl.load(x_ptr + k, mask=k < K, other=0.0)
     if HAS_RESIDUAL:   # the pending add, rounded to the model's dtype as the plain add is
         h = (h.to(tl.float32) + tl.load(res_ptr + k, mask=k < K, other=0.0).to(tl.float32)).to(h.dtype)
@@ -93,9 +110,10 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
                          f"got {tuple(norm_weight.shape)} {norm_weight.dtype}")
     n = weight.shape[0] // 2 if fuse_silu else weight.shape[0]
     y, total = torch.empty(1, n, dtype=x.dtype, device=x.device), x if residual is None else torch.empty_like(x)
-    block_k = triton.next_power_of_2(k)
+    block_k, pdl = triton.next_power_of_2(k), use_pdl(x.device)
     block_n = max(1, min(4 if n >= 4096 else 2, 4096 // block_k))   # a tile of at most 4,096 weights
     _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
         y, total, x, x if residual is None else residual.contiguous(), norm_weight, weight, n, k, eps,
-        HAS_RESIDUAL=residual is not None, FUSE_SILU=fuse_silu, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        HAS_RESIDUAL=residual is not None, FUSE_SILU=fuse_silu, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
+        num_warps=4, launch_pdl=pdl)
     return y, total

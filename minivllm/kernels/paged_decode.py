@@ -13,7 +13,8 @@ import triton.language as tl
 
 from .cascade import (SHARED_BLOCK_M, SHARED_BLOCK_N, SHARED_NUM_STAGES, SHARED_NUM_WARPS, _shared_prefix_kernel,
                       choose_prefix_splits)
-from .common import check_device, check_kv_cache, dot_options, next_pow2, online_softmax_update
+from .common import (check_device, check_kv_cache, dot_options, next_pow2, online_softmax_update,
+                                     pdl_launch_next, pdl_wait, use_pdl)
 
 # %% auto #0
 __all__ = ['DECODE_BLOCK_N', 'DECODE_NUM_WARPS', 'DECODE_NUM_STAGES', 'DECODE_BLOCK_N_8BIT', 'DECODE_NUM_STAGES_8BIT',
@@ -29,7 +30,9 @@ def _paged_decode_kernel(
         stride_bt, NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_SPLITS: tl.constexpr,
         CASCADE: tl.constexpr, FOLD_PREFIX: tl.constexpr, MIXED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        DOT_FP32: tl.constexpr):
+        DOT_FP32: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_launch_next(PDL)   # (PDL: at the end of the notebook)
+    pdl_wait(PDL)
     kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     token, q_len = seq, 1                       # the sequence's query row
     if MIXED:   # a mixed step: the row is the sequence's first token; sequences of more tokens are prefill's (below)
@@ -90,7 +93,9 @@ def _paged_decode_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, cu_seqlens_q_ptr, num_splits, stride_o_tok,
                          stride_o_head, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr, MIXED: tl.constexpr):
+                         SPLITS_PAD: tl.constexpr, MIXED: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_launch_next(PDL)
+    pdl_wait(PDL)
     head, seq = tl.program_id(0), tl.program_id(1)
     token, q_len = seq, 1
     if MIXED:   # (as in the decode kernel: a mixed step's rows of one token only)
@@ -228,7 +233,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_lse = out if parts is None else torch.empty(parts, dtype=torch.float32, device=q.device)
     common = dict(NUM_Q_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
                   DIM_PAD=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, **dot_options(q.dtype))
-    log2_scale, sk, sv = scale * math.log2(math.e), k_cache.stride(), v_cache.stride()
+    log2_scale, sk, sv, pdl = scale * math.log2(math.e), k_cache.stride(), v_cache.stride(), use_pdl(q.device)
     if cascade:
         _shared_prefix_kernel[(num_kv_heads, plan.q_tiles, plan.prefix_parts)](
             part_out, part_lse, q, k_cache, v_cache, block_tables, context_lens, shared_prefix_len, log2_scale, batch,
@@ -241,11 +246,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         plan.num_splits, plan.num_parts,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *sk[:3], *sv[:3], block_tables.stride(0),
         GROUP_PAD=max(16, plan.group_pad), BLOCK_N=block_n, USE_SPLITS=plan.use_splits, CASCADE=cascade,
-        FOLD_PREFIX=plan.fold_prefix, MIXED=mixed, **common,
-        num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages)
+        FOLD_PREFIX=plan.fold_prefix, MIXED=mixed, PDL=pdl, **common,
+        num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages, launch_pdl=pdl)
     if plan.use_splits:   # (SPLITS_PAD picks a compiled variant: a mixed step's is always MAX_SPLITS's, see below)
         _merge_splits_kernel[(num_heads, batch)](
             out, part_out, part_lse, cu_seqlens_q if mixed else context_lens, plan.num_parts, out.stride(0),
             out.stride(1), NUM_Q_HEADS=num_heads, HEAD_DIM=head_dim, DIM_PAD=next_pow2(head_dim),
-            SPLITS_PAD=next_pow2(MAX_SPLITS if mixed else plan.num_parts), MIXED=mixed, num_warps=4)
+            SPLITS_PAD=next_pow2(MAX_SPLITS if mixed else plan.num_parts), MIXED=mixed, PDL=pdl, num_warps=4,
+            launch_pdl=pdl)
     return out

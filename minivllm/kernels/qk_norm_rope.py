@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_device, check_kv_cache, next_pow2
+from .common import check_device, check_kv_cache, next_pow2, pdl_launch_next, pdl_wait, use_pdl
 
 
 @triton.jit
@@ -28,7 +28,9 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, po
                                v_cache_ptr, stride_qkv, stride_q, stride_cs, stride_kc_slot, stride_kc_head,
                                stride_vc_slot, stride_vc_head, eps, NUM_HEADS: tl.constexpr,
                                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_PAD: tl.constexpr,
-                               KV_PAD: tl.constexpr, HAS_NORM: tl.constexpr):
+                               KV_PAD: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_launch_next(PDL)   # (PDL: the section "start the next kernel early", at the end of the notebook)
+    pdl_wait(PDL)
     token = tl.program_id(0)
     half = tl.arange(0, HEAD_DIM // 2)[None, :]
     angles = cos_sin_ptr + tl.load(pos_ptr + token).to(tl.int64) * stride_cs
@@ -85,12 +87,12 @@ def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
     check_device(qkv, cos_sin_cache, positions, slot_mapping, k_cache, v_cache)
     q = qkv.new_empty(n, num_heads, head_dim)
     if n:
-        has_norm = q_weight is not None
+        has_norm, pdl = q_weight is not None, use_pdl(qkv.device)
         _qk_norm_rope_store_kernel[(n,)](
             qkv, q, q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos_sin_cache, positions,
             slot_mapping, k_cache, v_cache, qkv.stride(0), q.stride(0), cos_sin_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), eps, NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, Q_PAD=next_pow2(num_heads), KV_PAD=next_pow2(num_kv_heads),
-            HAS_NORM=has_norm)
+            HAS_NORM=has_norm, PDL=pdl, launch_pdl=pdl)
     return q
 
