@@ -664,6 +664,20 @@ def test_gemv_fused_with_the_activation():
     torch.testing.assert_close(gemv(x, w, fuse_silu=True), want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("n, k, fuse", [(6, 3000, False), (5, 1100, True), (9, 9000, False)])
+def test_gemv_with_the_early_launchs_tiles(monkeypatch, n, k, fuse):
+    "The tiles gemv takes when launched early (a whole row of up to 4,096 inputs), in the interpreter (no early launch)."
+    from minivllm.kernels import gemv as gemv_module
+    tiles = gemv_module.gemv_tiles
+    assert tiles(1024, 3072, True) == (1, 4096) and tiles(1024, 3072) == (2, 1024)
+    monkeypatch.setattr(gemv_module, "gemv_tiles", lambda n, k, pdl=False: tiles(n, k, True))
+    g = torch.Generator().manual_seed(k)
+    x, w = torch.randn(1, k, generator=g).to(DEVICE), (torch.randn(2 * n if fuse else n, k, generator=g) * k ** -0.5)
+    want = torch.nn.functional.linear(x, w.to(DEVICE))
+    want = plain_silu_and_mul(want) if fuse else want
+    torch.testing.assert_close(gemv(x, w.to(DEVICE), fuse_silu=fuse), want, atol=2e-5, rtol=2e-5)
+
+
 def test_gemv_rejects_what_it_does_not_compute():
     w = torch.zeros(8, 16, device=DEVICE)
     for x, weight, fuse in [(torch.zeros(2, 16), w, False), (torch.zeros(1, 12), w, False),
@@ -791,7 +805,8 @@ def test_early_launch_only_on_a_capable_gpu(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_early_launch_changes_no_bits_on_gpu(monkeypatch):
-    "A decode step's kernels (4 layers, batch 1) replayed from CUDA graphs, launched plainly and early: same bits."
+    """A decode step's kernels (4 layers, batch 1) replayed from CUDA graphs, launched plainly and early: the same bits
+    on every replay, and the same results to bfloat16 rounding (launched early, gemv sums a row in one tile)."""
     from tools.pdl_probe import decode_step_kernels
     step = decode_step_kernels(layers=4, context=2048)
     outs = {}
@@ -808,5 +823,5 @@ def test_early_launch_changes_no_bits_on_gpu(monkeypatch):
         torch.cuda.synchronize()
         assert all(torch.equal(r, results[0]) for r in results)
         outs[early] = results[0]
-    assert torch.equal(outs[False], outs[True])
     assert torch.isfinite(outs[True]).all()
+    torch.testing.assert_close(outs[True].float(), outs[False].float(), atol=2e-2, rtol=2e-2)

@@ -9,7 +9,8 @@ nothing stays in L2), replayed and timed (median), with the results' bits compar
   `wait_first`: PDL, each program waits before any load; `weights_first`: PDL, the weights are loaded before the wait.
 - `package`: the package's own kernels of a decode step (norm_gemv,
   qk_norm_rope_store, the decode kernel and its merge, gemv; `decode_step_kernels` below, also run by
-  tests/test_kernels.py) with `ENABLE_PDL` off and on.
+  tests/test_kernels.py) with `ENABLE_PDL` off and on (launched early, `gemv` sums a row in one tile, so the two
+  agree to rounding: their largest difference is reported).
 """
 from __future__ import annotations
 
@@ -141,7 +142,7 @@ def package() -> dict:
             times[name] = {"us_per_step": round(us, 1), "us_per_layer": round(us / LAYERS, 2)}
             results[name] = result.clone()
             print(json.dumps({"package": name, **times[name]}), flush=True)
-    out["same_bits"] = torch.equal(results["plain"], results["early"])
+    out["max_abs_difference"] = (results["plain"].float() - results["early"].float()).abs().max().item()
     return out
 
 

@@ -46,6 +46,19 @@ def _gemv_kernel(y_ptr, x_ptr, w_ptr, N, K, FUSE_SILU: tl.constexpr, BLOCK_N: tl
     tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n < N)
 
 
+# %% auto #0
+__all__ = ['GEMV_BLOCK_K', 'gemv_tiles', 'check_row', 'gemv', 'norm_gemv']
+
+# %% ../../notebooks/06_attention_kernels.ipynb #5f042118
+def gemv_tiles(n: int, k: int, pdl: bool = False) -> tuple[int, int]:
+    """(rows, inputs) per program: several programs per SM even for 1,024 rows (the sweep below). Launched early
+    (`pdl`, the last section): a whole row of up to 4,096 inputs in one tile, its weights all loaded before the wait."""
+    if not pdl:
+        return (4 if n >= 4096 else 2), GEMV_BLOCK_K
+    block_k = min(triton.next_power_of_2(k), 4 * GEMV_BLOCK_K)
+    return max(1, min(4 if n >= 4096 else 2, 4 * GEMV_BLOCK_K // block_k)), block_k
+
+
 def check_row(x: torch.Tensor, weight: torch.Tensor, fuse_silu: bool, name: str = "gemv"
               ) -> tuple[torch.Tensor, torch.Tensor]:
     fits = x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and weight.shape[1] == x.shape[1]
@@ -62,13 +75,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fuse_silu: bool = False) -> torc
     x, weight = check_row(x, weight, fuse_silu)
     n = weight.shape[0] // 2 if fuse_silu else weight.shape[0]
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_n, pdl = (4 if n >= 4096 else 2), use_pdl(x.device)   # several programs per SM for 1,024 outputs (below)
+    pdl = use_pdl(x.device)
+    block_n, block_k = gemv_tiles(n, x.shape[1], pdl)
     _gemv_kernel[(triton.cdiv(n, block_n),)](y, x, weight, n, x.shape[1], FUSE_SILU=fuse_silu, BLOCK_N=block_n,
-                                            BLOCK_K=GEMV_BLOCK_K, PDL=pdl, num_warps=4, launch_pdl=pdl)
+                                            BLOCK_K=block_k, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return y
-
-# %% auto #0
-__all__ = ['GEMV_BLOCK_K', 'check_row', 'gemv', 'norm_gemv']
 
 # %% ../../notebooks/06_attention_kernels.ipynb #258eb244
 @triton.jit
