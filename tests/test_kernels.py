@@ -793,7 +793,9 @@ def test_norm_gemv_and_the_decoder_layers_one_row_path_on_gpu():
 
 
 def test_early_launch_only_on_a_capable_gpu(monkeypatch):
-    "Programmatic dependent launch: never in the interpreter or on a CPU tensor, and MINIVLLM_PDL=0 turns it off."
+    "Programmatic dependent launch: never in the interpreter or on a CPU tensor; on a GPU only if asked and capable."
+    assert common.ENABLE_PDL == (os.environ.get("MINIVLLM_PDL") == "1")   # off unless MINIVLLM_PDL=1
+    monkeypatch.setattr(common, "ENABLE_PDL", True)
     assert not common.use_pdl(torch.device("cpu"))
     if torch.cuda.is_available():
         capable = torch.cuda.get_device_capability()[0] >= 9 and torch.version.hip is None
