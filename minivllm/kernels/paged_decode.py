@@ -14,7 +14,7 @@ import triton.language as tl
 from .cascade import (SHARED_BLOCK_M, SHARED_BLOCK_N, SHARED_NUM_STAGES, SHARED_NUM_WARPS, _shared_prefix_kernel,
                       choose_prefix_splits)
 from .common import (check_device, check_kv_cache, dot_options, next_pow2, online_softmax_update,
-                                     pdl_launch_next, pdl_wait, use_pdl)
+                     pdl_launch_next, pdl_wait, use_pdl)
 
 # %% auto #0
 __all__ = ['DECODE_BLOCK_N', 'DECODE_NUM_WARPS', 'DECODE_NUM_STAGES', 'DECODE_BLOCK_N_8BIT', 'DECODE_NUM_STAGES_8BIT',
