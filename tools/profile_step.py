@@ -143,12 +143,14 @@ def main() -> None:
     totals = kernel_totals(prof).values()
     gpu_total, kernels = sum(t for _, t in totals) / args.steps, sum(c for c, _ in totals) / args.steps
     layers = engine.config.hf_config.num_hidden_layers
+    busy = busy_us(prof) / args.steps
     print(f"GPU time per decode step (sum of kernels): {gpu_total / 1e3:.2f} ms; {kernels:.0f} kernels per step, "
-          f"{kernels / layers:.1f} per layer ({layers} layers)")
+          f"{kernels / layers:.1f} per layer ({layers} layers); busy (their union: less where kernels launched early "
+          f"overlap) {busy / 1e3:.2f} ms")
     print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
     if args.out:
-        write_kernels(args, prof, wall, layers, prefill)
+        write_kernels(args, prof, wall, layers, prefill, busy)
     llm.close()
 
 
@@ -188,17 +190,26 @@ def kernel_totals(prof) -> dict[str, list[float]]:
     return totals
 
 
+def busy_us(prof) -> float:
+    "Microseconds during which at least one kernel ran: the union of their intervals (MINIVLLM_PDL=1 overlaps them)."
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in kernel_events(prof)):
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy
+
+
 def kernel_rows(prof, steps: int) -> list[dict]:
     "Per step: each kernel's name, launches and GPU microseconds, the costliest first."
     return sorted(({"name": n, "launches": c / steps, "us": t / steps} for n, (c, t) in kernel_totals(prof).items()),
                   key=lambda r: -r["us"])
 
 
-def write_kernels(args, prof, wall: float, layers: int, prefill: dict) -> None:
+def write_kernels(args, prof, wall: float, layers: int, prefill: dict, busy: float) -> None:
     "The profiled decode steps' kernels per step, and the prefill step's (results file for notebooks 06 and 13)."
     with open(args.out, "w") as f:
         json.dump(dict(batch=args.batch, context=args.context, steps=args.steps, layers=layers,
-                       decode_step_ms_wall=wall * 1e3, environment=environment(),
+                       decode_step_ms_wall=wall * 1e3, gpu_busy_ms_per_step=busy / 1e3, environment=environment(),
                        kernels=kernel_rows(prof, args.steps), prefill_step=prefill), f, indent=1)
     print(f"kernels written to {args.out}")
 
