@@ -9,7 +9,10 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+try:   # Triton 3.3 and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:   # an older Triton: kernels are launched plainly
+    gdc_launch_dependents = gdc_wait = None
 
 from .backends import INTERPRET
 
@@ -48,7 +51,7 @@ ENABLE_PDL = os.environ.get("MINIVLLM_PDL", "0") == "1"   # off until measured i
 
 @functools.cache   # a fact of the hardware
 def _pdl_capable(index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+    return gdc_wait is not None and torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def use_pdl(device: torch.device) -> bool:
