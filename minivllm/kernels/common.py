@@ -9,7 +9,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-try:   # Triton 3.3 and later
+try:   # a Triton with programmatic dependent launch (triton-lang/triton#6394, 2025)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:   # an older Triton: kernels are launched plainly
     gdc_launch_dependents = gdc_wait = None
