@@ -99,13 +99,19 @@ def host_engine(batch: int, prompt_len: int, max_tokens: int, seed: int = 0):
     runner.sampler = StubSampler(config.max_num_batched_tokens, config.hf_config.vocab_size)
     runner.graphs = host_graph_runner(runner.model, config)
     runner.graphs.greedy_ids.copy_(runner.sampler.ids[:len(runner.graphs.greedy_ids)])   # what the no-op graphs "pick"
+    admit_and_prefill(engine, batch, prompt_len, max_tokens, seed)
+    return llm, engine
+
+
+def admit_and_prefill(engine, batch: int, prompt_len: int, max_tokens: int, seed: int) -> None:
+    "`batch` greedy requests of random prompts (running to `max_tokens`), stepped until every prompt is prefilled."
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    vocab = engine.config.hf_config.vocab_size
     for _ in range(batch):
-        engine.add_request(None, torch.randint(3, config.hf_config.vocab_size, (prompt_len,), generator=g).tolist(), params)
+        engine.add_request(None, torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), params)
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
         engine.step()
-    return llm, engine
 
 
 def time_steps(engine, steps: int, warmup: int = 5) -> list[float]:
@@ -141,14 +147,8 @@ def real_engine(batch: int, prompt_len: int, max_tokens: int, seed: int = 0):
     gpu = torch.cuda.is_available()
     model = config_folder(tempfile.mkdtemp(), "qwen3-0.6b") if gpu else TINY_MODEL_PATH
     llm = LLM(model, load_format="dummy" if gpu else "auto", skip_tokenizer_init=True, max_num_seqs=max(batch, 1))
-    engine, g = llm.llm_engine, torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    vocab = engine.config.hf_config.vocab_size
-    for _ in range(batch):
-        engine.add_request(None, torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), params)
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
-        engine.step()
-    return llm, engine
+    admit_and_prefill(llm.llm_engine, batch, prompt_len, max_tokens, seed)
+    return llm, llm.llm_engine
 
 
 def real_host_times(engine, steps: int, warmup: int = 5) -> list[float]:
