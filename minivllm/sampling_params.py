@@ -40,7 +40,7 @@ def _token_ids(name: str, ids) -> list[int]:
     return [int(t) for t in ids]
 
 # %% auto #0
-__all__ = ['UNSUPPORTED', 'RequestOutputKind', 'SamplingParams']
+__all__ = ['MAX_N', 'UNSUPPORTED', 'RequestOutputKind', 'SamplingParams']
 
 # %% ../notebooks/01_sequence.ipynb #50c9a60d
 @dataclass
@@ -121,10 +121,14 @@ def _normalize_lists(self: SamplingParams) -> None:
                                    map(float, self.logit_bias.values())))
 
 # %% ../notebooks/01_sequence.ipynb #c2f1a7d1
+MAX_N = 16_384   # samples of one prompt: each is a sequence the engine keeps until it ends
+
+
 @patch
 def _check_ranges(self: SamplingParams) -> None:
-    if self.n < 1:
-        raise ValueError(f"SamplingParams.n must be at least 1, got {self.n}")
+    if not 1 <= self.n <= MAX_N:
+        raise ValueError(f"SamplingParams.n must be in [1, {MAX_N:,}], got {self.n} (for more samples, send the "
+                         f"prompt again)")
     if not self.temperature >= 0 or self.temperature == float("inf"):
         raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}")
     if not 0 < self.top_p <= 1:

@@ -31,6 +31,7 @@ def test_normalizes_stop_lists():
     (dict(min_p=-0.1), "min_p"),
     (dict(min_p=1.1), "min_p"),
     (dict(max_tokens=0), "max_tokens"),
+    (dict(n=10**12), "SamplingParams.n"),   # (the engine would queue samples without end)
     (dict(max_tokens=-3), "max_tokens"),
     (dict(logprobs=-1), "logprobs"),
     (dict(stop_token_ids=[1, -2]), "stop_token_ids"),

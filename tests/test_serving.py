@@ -386,6 +386,9 @@ def test_invalid_json_is_400(http):
     ("/v1/completions", {"prompt": None}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"n": 10**12}, "SamplingParams.n"),   # (queueing a sample at a time would never end)
+    ("/v1/completions", {"n": 1025}, "n=1025"),             # more than the server's queue: a retry cannot help
+    ("/v1/chat/completions", {"n": 1025}, "n=1025"),
 ])
 def test_invalid_request_is_400_naming_the_field(http, server, route, extra, field):
     base = {"model": MODEL, "prompt": "x"} if route == "/v1/completions" else {"model": MODEL, "messages": MESSAGES}

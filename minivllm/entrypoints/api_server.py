@@ -84,7 +84,11 @@ def submit(request: Request, model: str | None, prompts: list, params, prefix: s
     if not prompts:
         raise APIError(400, "no prompt given", ERROR_KINDS[400])
     llm: AsyncLLM = state.llm
-    if llm.num_waiting + len(prompts) > state.max_waiting:
+    wanted = len(prompts) * params.n   # the sequences it queues: n samples of each prompt
+    if 0 < state.max_waiting < wanted:   # (never: a retry cannot help)
+        raise APIError(400, f"{len(prompts)} prompt(s) x n={params.n} is {wanted} sequences, more than this server "
+                       f"queues ({state.max_waiting})", ERROR_KINDS[400])
+    if llm.num_waiting + wanted > state.max_waiting:
         raise APIError(503, f"over {state.max_waiting} requests are waiting: retry later", ERROR_KINDS[503],
                        headers={"Retry-After": "1"})
     request_id, streams = f"{prefix}-{uuid.uuid4().hex}", []
