@@ -58,6 +58,7 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "(kernels/common.py: use_pdl, pdl_launch_next, pdl_wait; the waits in five kernels and their launchers; gemv's "
     "first tile of weights loaded before the wait, _gemv_tile; a Triton without it launches plainly)": 63,
     "issue 16 (part), gemv launched early takes a whole row of up to 4,096 inputs per tile (gemv_tiles)": 11,
+    "robustness: SamplingParams.n at most MAX_N; the server counts n samples of each prompt against its queue": 8,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code
