@@ -95,6 +95,7 @@ def check_sizes(cfg) -> None:
     _check(cfg.cpu_kvcache_space_gib > 0, f"cpu_kvcache_space_gib must be > 0, got {cfg.cpu_kvcache_space_gib}")
     _check(cfg.num_kvcache_blocks is None or cfg.num_kvcache_blocks >= 1,
            f"num_kvcache_blocks must be at least 1, got {cfg.num_kvcache_blocks}")
+    _check(-2**63 <= cfg.seed < 2**64, f"seed must fit in 64 bits, got {cfg.seed}")   # (torch.Generator's range)
     tp = cfg.tensor_parallel_size
     _check(tp >= 1, f"tensor_parallel_size must be at least 1, got {tp}")
     _check(hf.num_attention_heads % tp == 0 and hf.num_key_value_heads % tp == 0,

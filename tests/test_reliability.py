@@ -381,6 +381,9 @@ def test_dtype_the_device_cannot_run(monkeypatch):
     (dict(max_model_len=10**6), ValueError, r"max_model_len must be in \[1, \d+\] \(the model's "
                                             r"max_position_embeddings\)"),
     (dict(block_size=12), ValueError, "block_size must be a power of two"),
+    (dict(seed=2**70), ValueError, "seed must fit in 64 bits"),   # (torch's own: "Overflow when unpacking long long")
+    (dict(num_kvcache_blocks=10**9), ValueError, r"a KV cache of 1,000,000,000 blocks \(.* GiB\) does not fit in cpu "
+                                                 r"memory .*: lower num_kvcache_blocks"),   # (an OSError of mmap's)
     (dict(foo=1, max_num_seq=3), TypeError, "unknown engine argument\\(s\\) foo, max_num_seq; known: "),
 ])
 def test_bad_engine_arguments(kwargs, error, message):

@@ -59,6 +59,8 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "first tile of weights loaded before the wait, _gemv_tile; a Triton without it launches plainly)": 63,
     "issue 16 (part), gemv launched early takes a whole row of up to 4,096 inputs per tile (gemv_tiles)": 11,
     "robustness: SamplingParams.n at most MAX_N; the server counts n samples of each prompt against its queue": 8,
+    "robustness: the engine's seed in 64 bits; a KV cache that does not fit in memory is a ValueError naming "
+    "num_kvcache_blocks": 5,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

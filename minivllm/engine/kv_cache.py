@@ -90,10 +90,14 @@ def allocate_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, 
     "One tensor for the whole cache; each attention layer gets views of its K and V."
     layers = attention_layers(model)
     shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
-    if device.type == "cuda":
-        kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-    else:   # zeros too, without clearing (and committing) the whole cache now
-        kv_cache = zeroed_cpu_tensor(shape, dtype)
+    try:
+        if device.type == "cuda":
+            kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        else:   # zeros too, without clearing (and committing) the whole cache now
+            kv_cache = zeroed_cpu_tensor(shape, dtype)
+    except (OSError, RuntimeError) as e:   # (out of memory; a num_kvcache_blocks too large, most likely)
+        raise ValueError(f"a KV cache of {num_blocks:,} blocks ({math.prod(shape) * dtype.itemsize / 2**30:,.1f} GiB) "
+                         f"does not fit in {device.type} memory ({e}): lower num_kvcache_blocks") from e
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
     return kv_cache
