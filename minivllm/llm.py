@@ -3,7 +3,6 @@
 # %% ../notebooks/10_llm_engine.ipynb #4e8fa312
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence as SequenceABC
 from numbers import Integral
@@ -169,5 +168,7 @@ def __exit__(self: LLM, *exc) -> None:
 
 @patch
 def __del__(self: LLM):
-    with contextlib.suppress(Exception):
+    try:   # (not contextlib.suppress: at interpreter exit the module's globals may be gone already)
         self.close()
+    except Exception:
+        pass
