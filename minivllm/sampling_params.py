@@ -117,6 +117,8 @@ def _normalize_lists(self: SamplingParams) -> None:
                             f"got {type(self.logit_bias).__name__}")
         for bias in self.logit_bias.values():
             _check_type("logit_bias values", bias, (Real,))
+            if not bias < float("inf"):   # (-inf bans a token; NaN or +inf would leave no distribution to sample)
+                raise ValueError(f"SamplingParams.logit_bias values must be numbers < inf (-inf bans), got {bias}")
         self.logit_bias = dict(zip(_token_ids("logit_bias keys", list(self.logit_bias)),
                                    map(float, self.logit_bias.values())))
 
@@ -135,8 +137,9 @@ def _check_ranges(self: SamplingParams) -> None:
         raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
     if not -1 <= self.top_k < 2**63:   # (the sampler holds top_k in an int64 tensor)
         raise ValueError(f"SamplingParams.top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}")
-    if self.seed is not None and not -2**63 <= self.seed < 2**64:   # torch.Generator.manual_seed's range
-        raise ValueError(f"SamplingParams.seed must fit in 64 bits, got {self.seed}")
+    if self.seed is not None and not -2**63 <= self.seed <= 2**64 - self.n:   # torch.Generator.manual_seed's range
+        last = f" (and so must seed + {self.n - 1}, the last sample's)" if self.n > 1 else ""
+        raise ValueError(f"SamplingParams.seed must fit in 64 bits{last}, got {self.seed}")
     if not 0 <= self.min_p <= 1:
         raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
     for name in ("presence_penalty", "frequency_penalty"):

@@ -123,6 +123,17 @@ def test_min_tokens_holds_back_eos_and_stop_tokens(tiny, llm):
                 assert stop not in o.outputs[0].token_ids[:n] and o.outputs[0].finish_reason == "stop"
 
 
+def test_min_tokens_past_int32_holds_eos_back_to_the_end_of_the_context(tiny, llm):
+    "The processors hold min_tokens in int32: a larger one (2**40 here) once failed the step, and the engine with it."
+    _, _, ids = tiny
+    eos = llm.llm_engine.config.eos_token_ids[0]
+    params = SamplingParams(temperature=0, max_tokens=None, min_tokens=2**40, logit_bias={eos: 100.0})   # (eos: certain)
+    for o in llm.generate(ids, params, use_tqdm=False):
+        assert o.outputs[0].finish_reason == "length" and eos not in o.outputs[0].token_ids
+        assert len(o.prompt_token_ids) + len(o.outputs[0].token_ids) == 128   # max_model_len
+    assert generate_ids(llm, ids[:1], SamplingParams(temperature=0, max_tokens=3))   # the engine still runs
+
+
 def test_logit_bias_allowed_token_ids_and_bad_words_in_the_engine(tiny, llm):
     tok, _, ids = tiny
     plain = generate_ids(llm, ids, SamplingParams(temperature=0, max_tokens=16))

@@ -32,6 +32,9 @@ def test_normalizes_stop_lists():
     (dict(min_p=1.1), "min_p"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(n=10**12), "SamplingParams.n"),   # (the engine would queue samples without end)
+    (dict(seed=2**64 - 1, n=2), "the last sample's"),   # the second sample's seed, 2**64, would fail in the engine
+    (dict(logit_bias={3: float("nan")}), "logit_bias"),
+    (dict(logit_bias={3: float("inf")}), "logit_bias"),   # (-inf is allowed: it bans the token)
     (dict(max_tokens=-3), "max_tokens"),
     (dict(logprobs=-1), "logprobs"),
     (dict(stop_token_ids=[1, -2]), "stop_token_ids"),

@@ -389,12 +389,29 @@ def test_invalid_json_is_400(http):
     ("/v1/completions", {"n": 10**12}, "SamplingParams.n"),   # (queueing a sample at a time would never end)
     ("/v1/completions", {"n": 1025}, "n=1025"),             # more than the server's queue: a retry cannot help
     ("/v1/chat/completions", {"n": 1025}, "n=1025"),
+    ("/v1/completions", {"n": 2, "seed": 2**64 - 1, "stream": True}, "seed"),   # a 400, not an error event in a 200
+    ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),   # (0 is not "unset")
+    ("/v1/chat/completions", {"max_completion_tokens": 2, "max_tokens": -5}, "max_tokens"),
+    ("/v1/completions", {"logit_bias": {"5": 1e308}}, "logit_bias"),   # OpenAI's range: [-100, 100]
+    ("/v1/chat/completions", {"chat_template_kwargs": {"chat_template": "{% for i in range(10**9) %}{% endfor %}"}},
+     "chat_template"),   # a request's own template would run on the event loop
 ])
 def test_invalid_request_is_400_naming_the_field(http, server, route, extra, field):
     base = {"model": MODEL, "prompt": "x"} if route == "/v1/completions" else {"model": MODEL, "messages": MESSAGES}
     response = http.post(route, json=base | extra)
     assert field in assert_error(response, 400)["message"]
     assert engine_idle(server.llm)   # nothing was queued
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", '{"model": "tiny", "prompt": "a\\ud800"}'),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}')])
+def test_text_with_a_lone_surrogate_is_400(http, server, route, body):
+    "Valid JSON (an escaped lone surrogate), but not Unicode text: the tokenizer's own error named neither."
+    response = http.post(route, content=body, headers={"content-type": "application/json"})
+    assert "not valid Unicode text" in assert_error(response, 400)["message"]
+    assert engine_idle(server.llm)
 
 
 @pytest.mark.timeout(60)

@@ -62,6 +62,9 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "robustness: the engine's seed in 64 bits; a KV cache that does not fit in memory is a ValueError naming "
     "num_kvcache_blocks": 5,
     "robustness: LLM.__del__ without contextlib (at interpreter exit the module's globals may be gone)": 1,
+    "robustness, from fuzzing the server: min_tokens past int32 clamped where it is a tensor (it killed the engine); "
+    "seed + n - 1 in 64 bits; logit_bias finite (OpenAI's [-100, 100] on the server); max_completion_tokens >= 1; "
+    "no chat template from a request; prompt text must be valid Unicode": 17,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

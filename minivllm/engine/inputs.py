@@ -50,6 +50,10 @@ def prompt_token_ids(prompt: PromptType, tokenizer, vocab_size: int, max_model_l
         if tokenizer is None:
             raise ValueError(f"{name} is text, but the engine has no tokenizer (skip_tokenizer_init=True): "
                              "pass token ids")
+        try:
+            prompt.encode()
+        except UnicodeEncodeError as e:   # (a lone surrogate: the tokenizer's own error names neither)
+            raise ValueError(f"{name} is not valid Unicode text: {e.reason} at character {e.start}") from None
         text, ids = prompt, tokenizer.encode(prompt)
     elif isinstance(prompt, (list, tuple)):
         text, ids = None, list(prompt)

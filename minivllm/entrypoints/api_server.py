@@ -143,6 +143,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise APIError(400, "top_logprobs needs logprobs=true", ERROR_KINDS[400])
     if llm.tokenizer is None:
         raise APIError(400, "chat needs a tokenizer (the engine was started without one)", ERROR_KINDS[400])
+    if "chat_template" in (body.chat_template_kwargs or {}):   # (its loops would run on the server's event loop)
+        raise APIError(400, "chat_template_kwargs may not hold a chat_template: this server runs only its model's",
+                       ERROR_KINDS[400])
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
         prompt = llm.tokenizer.apply_chat_template(messages, tokenize=False, **(body.chat_template_kwargs or {}),

@@ -46,7 +46,7 @@ class SamplingFields(BaseModel):
                         ) -> SamplingParams:
         "The request as SamplingParams (an invalid value raises ValueError or TypeError naming the field)."
         given = {k: getattr(self, k) for k in DEFAULTED if getattr(self, k) is not None}
-        bias = None if self.logit_bias is None else {_token_id(k): v for k, v in self.logit_bias.items()}
+        bias = None if self.logit_bias is None else {_token_id(k): _bias(v) for k, v in self.logit_bias.items()}
         return SamplingParams(
             **({k: getattr(defaults, k) for k in DEFAULTED} | given), n=self.n, seed=self.seed, stop=self.stop,
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
@@ -64,6 +64,12 @@ def _token_id(key: str) -> int:
         return int(key)
     except ValueError:
         raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+
+
+def _bias(value: float) -> float:
+    if not -100 <= value <= 100:   # OpenAI's range (SamplingParams itself takes any bias, -inf included)
+        raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+    return value
 
 # %% auto #0
 __all__ = ['DEFAULTED', 'StreamOptions', 'SamplingFields', 'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest']
@@ -87,8 +93,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     "POST /v1/chat/completions."
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None               # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)   # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict | None = None

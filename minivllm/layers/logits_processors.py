@@ -126,7 +126,8 @@ def build_logits_processors(rows: list[int], params: list[SamplingParams], slots
         history, tensor(rows, torch.int64), tensor(slots, torch.int64),
         allowed=(tensor(sorted({r for r, _ in allowed}), torch.int64), _entries(allowed, device)) if allowed else None,
         bias=(_entries([(r, t) for r, t, _ in bias], device), tensor([b for *_, b in bias])) if bias else None,
-        min_tokens=(tensor([p.min_tokens for p in params], torch.int32), _entries(ends, device)) if ends else None,
+        min_tokens=(tensor([min(p.min_tokens, 2**31 - 1) for p in params], torch.int32),   # (no sequence gets near)
+                    _entries(ends, device)) if ends else None,
         penalties=tuple(tensor([getattr(p, f"{k}_penalty") for p in params]) for k in ("presence", "frequency",
                         "repetition")) if any(p.needs_penalties for p in params) else None,
         bad_words=(tensor([r for r, _ in words], torch.int64),
