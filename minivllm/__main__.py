@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 # %% auto #0
-__all__ = ['DEMO_PROMPTS', 'parse_args', 'read_prompts', 'main', 'chat_kwargs', 'stream', 'complete']
+__all__ = ['DEMO_PROMPTS', 'parse_args', 'read_prompts', 'main', 'run', 'chat_kwargs', 'stream', 'complete']
 
 # %% ../notebooks/10_llm_engine.ipynb #f1220a02
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -58,6 +58,17 @@ def main(argv: list[str] | None = None) -> int:
     if not prompts:
         print("give prompts as arguments or one per line on stdin (or --demo)", file=sys.stderr)
         return 2
+    try:
+        return run(args, prompts)
+    except (ValueError, TypeError) as e:   # bad input (a model path, a value out of range): one line, no traceback
+        print(f"python -m minivllm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:   # Ctrl-C: the shell's convention, quietly
+        return 130
+
+
+def run(args: argparse.Namespace, prompts: list[str]) -> int:
+    "Generate and print the completions (streamed, for one prompt), then the throughput."
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
                             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
@@ -72,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     return 0
 
-
+# %% ../notebooks/10_llm_engine.ipynb #721bdf8b
 def chat_kwargs(args: argparse.Namespace) -> dict | None:
     return {"enable_thinking": False} if args.no_thinking else None
 

@@ -20,7 +20,8 @@ def as_prompt_list(prompts) -> list[PromptType]:
     "One prompt (text, token ids or a prompt dict) or a list of prompts -> a list of prompts."
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if isinstance(prompts, SequenceABC):   # one prompt of token ids (a stray non-int in it is reported as such), or many
+    if isinstance(prompts, SequenceABC) and not isinstance(prompts, (bytes, bytearray)):   # (bytes: no token ids)
+        # one prompt of token ids (a stray non-int in it is reported as such), or many
         return [list(prompts)] if any(isinstance(t, Integral) for t in prompts) else list(prompts)
     raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict or a list of these, "
                     f"got {type(prompts).__name__}")
@@ -36,7 +37,7 @@ def params_list(params: SamplingParams | list[SamplingParams] | None, n: int) ->
     return list(params)
 
 # %% auto #0
-__all__ = ['as_prompt_list', 'params_list', 'Progress', 'LLM']
+__all__ = ['as_prompt_list', 'params_list', 'Progress', 'LLM', 'chat_message']
 
 # %% ../notebooks/10_llm_engine.ipynb #c744ae9e
 class Progress:
@@ -122,13 +123,34 @@ def chat_prompts(self: LLM, messages: list[dict] | list[list[dict]], add_generat
     tokenizer = self.get_tokenizer()
     if tokenizer is None:
         raise ValueError("chat() needs a tokenizer (the engine was made with skip_tokenizer_init=True)")
+    if not isinstance(chat_template_kwargs, (dict, type(None))):
+        raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+    if not isinstance(messages, (list, tuple)):
+        raise TypeError(f"chat() takes a conversation (a list of message dicts such as {{'role': 'user', "
+                        f"'content': 'Hi'}}) or a list of them, got {type(messages).__name__}")
     conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
     for i, c in enumerate(conversations):
         if not (isinstance(c, list) and c and all(isinstance(m, dict) for m in c)):
             raise TypeError(f"chat() takes a conversation (a list of message dicts such as {{'role': 'user', "
                             f"'content': 'Hi'}}) or a list of them; conversation {i} is {c!r:.60}")
+    conversations = [[chat_message(m, f"conversation {i}, message {j}") for j, m in enumerate(c)]
+                     for i, c in enumerate(conversations)]
     return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
                                           **(chat_template_kwargs or {})) for c in conversations]
+
+
+def chat_message(message: dict, where: str) -> dict:
+    "A message as templates expect it: a role, and text content (OpenAI's text parts joined by newlines, as vLLM)."
+    content = message.get("content")
+    if not isinstance(message.get("role"), str):
+        raise TypeError(f"{where} needs a 'role' string ('system', 'user', 'assistant', ...), got {message!r:.60}")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        content = "\n".join(str(p.get("text", "")) for p in content)
+        message = message | {"content": content}
+    if not (isinstance(content, str) or content is None and "tool_calls" in message):
+        raise TypeError(f"{where}: 'content' must be a string or a list of text parts (no images here), "
+                        f"got {content!r:.60}")
+    return message
 
 
 @patch

@@ -100,9 +100,11 @@ class SamplingParams:
 @patch
 def _normalize_lists(self: SamplingParams) -> None:
     "`stop` and `bad_words` as lists of non-empty strings; token ids as lists of ints; `logit_bias` as {int: float}."
-    self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-    self.bad_words = list(self.bad_words or [])
     for name in ("stop", "bad_words"):
+        value = [] if getattr(self, name) is None else getattr(self, name)
+        if not isinstance(value, (str, list, tuple)):
+            raise TypeError(f"SamplingParams.{name} must be a string or a list of strings, got {value!r}")
+        setattr(self, name, [value] if isinstance(value, str) else list(value))
         for s in getattr(self, name):
             if not isinstance(s, str) or not s:
                 raise TypeError(f"SamplingParams.{name} must be a non-empty string or a list of them, got {s!r}")

@@ -119,3 +119,55 @@ def test_token_ids_and_bad_words_are_checked_against_the_model():
             assert not llm.llm_engine.requests   # nothing of the refused call was queued
         words = llm.llm_engine.validate("a", SamplingParams(bad_words=["fibonacci"]))[2].bad_words_token_ids
         assert words and all(1 <= len(w) <= 17 for w in words)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["hi", "--max-tokens", "0"], "python -m minivllm: error: SamplingParams.max_tokens must be at least 1, got 0"),
+    (["hi", "--model", "/nonexistent"], "python -m minivllm: error: model path '/nonexistent' is not a folder"),
+    (["hi", "--device", "tpu"], "python -m minivllm: error: device must be 'auto', 'cpu' or 'cuda', got 'tpu'"),
+    (["", "--device", "cpu"], "python -m minivllm: error: prompt is empty: it needs at least one token"),
+    (["serve", "/nonexistent"], "minivllm serve: error: model path '/nonexistent' is not a folder"),
+    (["serve", TINY_MODEL_PATH, "--device", "cpu", "--max-num-seqs", "0"],
+     "minivllm serve: error: max_num_seqs must be at least 1, got 0"),
+])
+def test_the_command_line_says_a_bad_value_in_one_line(argv, message, capsys):
+    "A value the engine refuses: the message alone, exit status 2 (it printed the whole traceback)."
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == message
+
+
+@pytest.mark.parametrize("flag,value", [("--port", "70000"), ("--port", "-1"), ("--log-level", "bogus"),
+                                        ("--max-waiting-requests", "-1"), ("--max-request-bytes", "0")])
+def test_serve_refuses_a_bad_flag_before_loading_the_model(flag, value, capsys):
+    "uvicorn failed on these after the model had loaded (a traceback), or served nothing (every request 503 or 413)."
+    with pytest.raises(SystemExit) as e:
+        main(["serve", TINY_MODEL_PATH, flag, value])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    with LLM(TINY_MODEL_PATH, max_model_len=64) as llm:
+        yield llm
+
+
+@pytest.mark.parametrize("messages,error,message", [
+    ({"role": "user", "content": "Hi"}, TypeError, "chat\\(\\) takes a conversation .* got dict"),   # (a KeyError)
+    ([{"content": "Hi"}], TypeError, "conversation 0, message 0 needs a 'role' string"),   # (jinja's UndefinedError)
+    ([{"role": "user"}], TypeError, "conversation 0, message 0: 'content' must be a string or a list of text parts"),
+    ([{"role": "user", "content": 42}], TypeError, "'content' must be a string"),   # (str + int, in the template)
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], TypeError, "no images here"),
+])
+def test_chat_names_a_malformed_message(tiny_llm, messages, error, message):
+    with pytest.raises(error, match=message):
+        tiny_llm.chat(messages, use_tqdm=False)
+
+
+def test_chat_joins_text_parts_and_refuses_bytes_as_a_prompt(tiny_llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    assert tiny_llm.chat_prompts(parts) == tiny_llm.chat_prompts([{"role": "user", "content": "Hi\nthere"}])   # vLLM's
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a dict, got list"):
+        tiny_llm.chat_prompts(parts, chat_template_kwargs=["x"])
+    for prompt in (b"hello", bytearray(b"hi")):   # (read as token ids 104, 101, ...: a silent wrong answer)
+        with pytest.raises(TypeError, match="prompts must be a string, a list of token ids"):
+            tiny_llm.generate(prompt, use_tqdm=False)

@@ -265,6 +265,17 @@ def test_config_that_is_not_json(tmp_path):
         cpu_llm(folder)
 
 
+@pytest.mark.parametrize("field,value", [("num_attention_heads", "8"), ("head_dim", None), ("num_hidden_layers", 0)])
+def test_config_with_a_bad_field(tmp_path, field, value):
+    "transformers' own checks raise their own classes (huggingface_hub's StrictDataclass...Error): a ValueError here."
+    folder = model_copy(tmp_path)
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config | {field: value}, f)
+    with pytest.raises(ValueError, match=f"(?s)config.json in .* is not a valid qwen3 config: .*{field}"):
+        cpu_llm(folder)
+
+
 def test_folder_of_another_architecture(tmp_path):
     folder = model_copy(tmp_path)
     path = os.path.join(folder, "config.json")

@@ -64,6 +64,8 @@ def test_bad_values_are_value_errors_naming_the_field(kwargs, field):
     (dict(ignore_eos=1), "ignore_eos"),
     (dict(stop=[""]), "stop"),
     (dict(stop=[1]), "stop"),
+    (dict(stop=5), "SamplingParams.stop must be a string or a list of strings"),   # (was "'int' object is not iterable")
+    (dict(bad_words=3), "SamplingParams.bad_words must be a string or a list of strings"),
     (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(logprobs=0.5), "logprobs"),
     (dict(n=2.0), "n"),

@@ -65,6 +65,10 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "robustness, from fuzzing the server: min_tokens past int32 clamped where it is a tensor (it killed the engine); "
     "seed + n - 1 in 64 bits; logit_bias finite (OpenAI's [-100, 100] on the server); max_completion_tokens >= 1; "
     "no chat template from a request; prompt text must be valid Unicode": 17,
+    "robustness, from fuzzing the command line and LLM: a refused value is one line and exit status 2 (python -m "
+    "minivllm, minivllm serve: run, int_in); serve stops the engine first on SIGINT/SIGTERM (requests in flight: 503, "
+    "not cancelled with tracebacks); chat_message (role, content, text parts); bytes are no prompt; a bad config.json "
+    "field is a ValueError; stop / bad_words types": 62,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

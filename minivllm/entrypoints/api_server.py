@@ -117,6 +117,7 @@ async def until_disconnected(request: Request, streams: list[RequestOutputStream
         return work.result()
     finally:
         work.cancel()
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())   # (retrieved: asyncio logs it otherwise)
         for stream in streams:
             stream.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from .api_server import build_app
 from .async_llm import AsyncLLM
@@ -16,17 +17,26 @@ ENGINE_FLAGS = (("--device", str, "auto"), ("--dtype", str, "auto"), ("--max-mod
                 ("--block-size", int, None), ("--seed", int, None), ("--generation-config", str, None))
 
 
+def int_in(low: int, high: int | None = None):
+    "An argparse type: an int in [low, high] (a port, a limit), so that a bad one fails here, not after the model loads."
+    def integer(text: str) -> int:   # (argparse names it in "invalid integer value")
+        if not low <= int(text) <= (high if high is not None else int(text)):
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high if high is not None else 'inf'}], got {text}")
+        return int(text)
+    return integer
+
+
 def parse_serve_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="minivllm serve", description="An OpenAI-compatible server over one model.")
     ap.add_argument("model", help="a checkpoint folder or a Hugging Face id")
     ap.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=int_in(0, 65535), default=8000)
     ap.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY"),
                     help="require 'Authorization: Bearer <key>' on /v1 routes (default: $MINIVLLM_API_KEY)")
     ap.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
-    ap.add_argument("--max-waiting-requests", type=int, default=1024, help="beyond this many waiting: 503")
-    ap.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger bodies: 413")
-    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--max-waiting-requests", type=int_in(0), default=1024, help="beyond this many waiting: 503")
+    ap.add_argument("--max-request-bytes", type=int_in(1), default=1 << 20, help="larger bodies: 413")
+    ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
     for flag, kind, default in ENGINE_FLAGS:
         ap.add_argument(flag, type=kind, default=default)
     ap.add_argument("--enforce-eager", action="store_true")
@@ -41,20 +51,33 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs | {"enforce_eager": args.enforce_eager, "enable_prefix_caching": not args.no_prefix_caching}
 
 # %% auto #0
-__all__ = ['ENGINE_FLAGS', 'parse_serve_args', 'engine_kwargs', 'serve']
+__all__ = ['ENGINE_FLAGS', 'int_in', 'parse_serve_args', 'engine_kwargs', 'serve']
 
 # %% ../../notebooks/11_serving.ipynb #a0b9bbcf
 def serve(argv: list[str] | None = None) -> int:
     "`minivllm serve MODEL ...`: run the server until SIGINT or SIGTERM; its shutdown stops the engine."
     import uvicorn
     args = parse_serve_args(argv)
-    llm = AsyncLLM(args.model, **engine_kwargs(args))
+    try:
+        llm = AsyncLLM(args.model, **engine_kwargs(args))
+    except (ValueError, TypeError) as e:   # a bad model or engine flag: one line, as argparse says its errors
+        print(f"minivllm serve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:   # Ctrl-C while the model loads
+        return 130
     try:
         app = build_app(llm, args.served_model_name or args.model, args.api_key, args.max_waiting_requests,
                         args.max_request_bytes, shutdown_engine=True)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5)
-        uvicorn.Server(config).run()   # (uvicorn raises the signal it caught again once it has shut down)
+        server = uvicorn.Server(config)
+        handle_exit = server.handle_exit
+
+        def stop_engine_first(sig, frame) -> None:   # requests in flight end at once (503), not cancelled 5 s later
+            handle_exit(sig, frame)
+            llm.shutdown()
+        server.handle_exit = stop_engine_first
+        server.run()   # (uvicorn raises the signal it caught again once it has shut down)
     except KeyboardInterrupt:
         pass
     finally:

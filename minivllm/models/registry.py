@@ -63,7 +63,10 @@ def load_config(path: str | Path) -> PretrainedConfig:
         raise ValueError(f"{str(path)!r} holds a model of type {model_type!r}; minivllm runs "
                          f"{', '.join(MODEL_REGISTRY)} models")
     from transformers import AutoConfig   # (imported when needed: it costs seconds)
-    return AutoConfig.from_pretrained(folder, local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as e:   # a field of the wrong type or value: transformers' checks raise their own classes
+        raise ValueError(f"config.json in {str(path)!r} is not a valid {model_type} config: {e}") from e
 
 # %% ../../notebooks/08_qwen3.ipynb #660f3079
 def build_model(hf_config: PretrainedConfig, path: str | Path, dtype: torch.dtype, device: torch.device,
