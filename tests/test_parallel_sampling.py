@@ -74,3 +74,28 @@ def test_n_samples_stream_and_abort_under_the_parents_id(llm):
         engine.add_request("q", PROMPT, SamplingParams(n=2))
         engine.add_request("0_q", PROMPT, SamplingParams())
     engine.abort_request("q")
+
+
+def test_samples_that_finish_in_one_step_each_have_their_last_tokens_text(llm):
+    """With a stop string the text is decoded token by token: the final output once went out when the first sample
+    finishing in a step was booked, before the others' last tokens were (their text one token short)."""
+    tokenizer = llm.get_tokenizer()
+    for seed in range(4):
+        params = SamplingParams(temperature=0.8, seed=seed, n=3, max_tokens=5, ignore_eos=True, stop=["zzzz"])
+        out = llm.generate(["def f(x):"], params, use_tqdm=False)[0]
+        assert [c.index for c in out.outputs] == [0, 1, 2] and all(len(c.token_ids) == 5 for c in out.outputs)
+        for c in out.outputs:
+            assert c.text == tokenizer.decode(c.token_ids), (seed, c.index, c.text, c.token_ids)
+
+
+def test_an_aborted_sample_does_not_hold_back_the_others_output(llm):
+    engine = llm.llm_engine
+    engine.add_request("p", PROMPT, SamplingParams(temperature=0.7, seed=1, max_tokens=6, n=3))
+    engine.step()
+    engine.abort_request("1_p")   # one sample alone (its id as vLLM names children)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = [o for o in outputs if o.request_id == "p" and o.finished]
+    assert len(final) == 1 and [c.index for c in final[0].outputs] == [0, 1, 2]
+    assert [len(c.token_ids) for c in final[0].outputs if c.index != 1] == [6, 6]

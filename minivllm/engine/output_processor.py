@@ -107,18 +107,18 @@ class ParentRequest:
     "A prompt sampled n times: n requests (ids `0_<id>`, `1_<id>`, ...), one output, under the parent's id."
     request_id: str
     children: list[Request]
-    sent_final: bool = False   # (several children may finish in one step: the final output goes out once)
-    ended: set[int] = field(default_factory=set)   # streaming: the children whose last delta went out
+    sent_final: bool = False   # (the final output goes out once)
+    ended: set[int] = field(default_factory=set)   # the children whose last token has been booked
 
     def output(self, child: Request, tokenizer) -> RequestOutput | None:
         """Streaming: the child's new tokens, `finished` on the last child's last delta. Otherwise: every child's
-        completion, once the last one has finished."""
+        completion, once the last one's last token is booked (several may finish in one step: not before)."""
+        if child.seq.is_finished:
+            self.ended.add(child.index)
+        finished = len(self.ended) == len(self.children)
         if child.stream:
-            if child.seq.is_finished:
-                self.ended.add(child.index)
-            finished, outputs = len(self.ended) == len(self.children), [child.completion(tokenizer)]
+            outputs = [child.completion(tokenizer)]
         else:
-            finished = all(c.seq.is_finished for c in self.children)
             if not finished or self.sent_final:
                 return None
             self.sent_final, outputs = True, [c.completion(tokenizer) for c in self.children]
@@ -148,6 +148,8 @@ class OutputProcessor:
         self.requests.pop(req.request_id, None)
         self.by_seq.pop(req.seq.seq_id, None)
         self.watched.discard(req.seq.seq_id)
+        if req.parent is not None:
+            req.parent.ended.add(req.index)   # (finished, or aborted: the others' final output need not wait for it)
         if req.parent is not None and not any(c.request_id in self.requests for c in req.parent.children):
             self.parents.pop(req.parent.request_id, None)
 
