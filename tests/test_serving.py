@@ -596,6 +596,64 @@ def test_cancelling_the_awaiting_task_aborts_the_request(server):
 
 
 @pytest.mark.timeout(60)
+def test_leaving_a_loop_with_break_aborts_the_request(server):
+    "The stream, held by nothing after `break`, is collected and aborts its request (it ran on, its id taken for good)."
+    llm = server.llm
+    params = SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def main():
+        async for _ in llm.generate("def forever():\n", params, "brk"):
+            break
+    asyncio.run(main())
+    wait_idle(llm)   # aborted, not run out to 1500 tokens
+    asyncio.run(main())   # and the id is free again
+
+
+@pytest.mark.timeout(90)
+def test_an_abort_reaches_only_the_request_it_was_meant_for(server):
+    """Ids are reused once a request ends: a stale abort, a closed stream's abort, or a sample's id must not end a
+    later request of the same id or another request; an abort ends every sample, a late one changes nothing."""
+    llm, kinds = server.llm, RequestOutputKind
+    short, long = (SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 500))
+
+    async def last(stream):
+        return [out async for out in stream][-1]
+
+    async def main():
+        first = await last(llm.generate("def f():", short, "again"))
+        await llm.abort("again")   # it has ended: nothing
+        second = await last(llm.generate("def f():", short, "again"))
+        assert second.outputs[0].finish_reason == "length" and second.outputs[0].token_ids == first.outputs[0].token_ids
+        gone = llm.generate("def g():", long, "retry")
+        await gone.__anext__()
+        await gone.aclose()   # a client that gives up and retries at once
+        retry = await last(llm.generate("def g():", short, "retry"))
+        assert retry.outputs[0].finish_reason == "length" and len(retry.outputs[0].token_ids) == 8
+        two = llm.generate("def h():", SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=500, ignore_eos=True,
+                                                      output_kind=kinds.CUMULATIVE), "n2")
+        await two.__anext__()
+        await llm.abort("n2")
+        out = await last(two)
+        assert [(c.index, c.finish_reason) for c in out.outputs] == [(0, "abort"), (1, "abort")]
+        assert out.prompt_token_ids == llm.tokenizer.encode("def h():") and all(c.token_ids for c in out.outputs)
+        done = llm.generate("def k():", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                       output_kind=kinds.FINAL_ONLY), "done")
+        await asyncio.wait_for(done.ready.wait(), 30)   # its final output has arrived, unread
+        await llm.abort("done")   # finished, not read yet: its output stands
+        assert (await last(done)).outputs[0].finish_reason == "length"
+        x = llm.generate("def f():", SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=30, ignore_eos=True,
+                                                    output_kind=kinds.DELTA), "x")
+        await x.__anext__()
+        with pytest.raises(ValueError, match="already in use"):   # a sample of x runs as '0_x'
+            await last(llm.generate("def g():", short, "0_x"))
+        await llm.abort("0_x")   # not a request of this front end: nothing
+        ended = {c.index: c.finish_reason for o in [out async for out in x] for c in o.outputs if c.finish_reason}
+        assert ended == {0: "length", 1: "length"}
+    asyncio.run(main())
+    wait_idle(llm)
+
+
+@pytest.mark.timeout(60)
 def test_bad_request_raises_at_generate(server):
     llm = server.llm
     vocab = llm.engine.config.hf_config.vocab_size

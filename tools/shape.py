@@ -71,6 +71,9 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "field is a ValueError; stop / bad_words types": 62,
     "n > 1: the final output waits for every sample's last token to be booked (ParentRequest.ended; remove adds "
     "an aborted one)": 2,
+    "AsyncLLM, from fuzzing it: commands and outputs addressed by the stream's token too (a reused id got another "
+    "request's abort or outputs; a rejected id aborted another request's sample), streams held weakly (a loop left "
+    "with break never aborted), an abort ends every sample and keeps the prompt": 29,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

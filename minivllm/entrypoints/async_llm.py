@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import queue
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 
 from fastcore.basics import patch
@@ -31,16 +33,21 @@ def merge_delta(total: RequestOutput | None, delta: RequestOutput) -> RequestOut
         old = merged.get(c.index)
         merged[c.index] = c if old is None else dataclasses.replace(
             c, text=old.text + c.text, token_ids=old.token_ids + c.token_ids,
-            logprobs=None if c.logprobs is None else (old.logprobs or []) + c.logprobs)
+            logprobs=old.logprobs if c.logprobs is None else (old.logprobs or []) + c.logprobs)
     return dataclasses.replace(delta, outputs=[merged[i] for i in sorted(merged)])
 
 
-def aborted_output(request_id: str) -> RequestOutput:
-    "What an aborted request's stream ends with."
-    return RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], finish_reason="abort")], finished=True)
+def aborted_output(last: RequestOutput, n: int, ended: set[int]) -> RequestOutput:
+    "What an aborted request's stream ends with: `last`'s prompt, each of its `n` samples not `ended` yet aborted."
+    aborted = [CompletionOutput(i, "", [], finish_reason="abort") for i in range(n) if i not in ended]
+    return dataclasses.replace(last, outputs=aborted, finished=True)
+
+
+ABORTED = "aborted"   # what the engine thread puts into an aborted request's stream
+TOKENS = itertools.count()   # each stream's own number: an abort or an output reaches the stream it was meant for
 
 # %% auto #0
-__all__ = ['EngineDeadError', 'merge_delta', 'aborted_output', 'RequestOutputStream', 'AsyncLLM', 'put_all']
+__all__ = ['ABORTED', 'TOKENS', 'EngineDeadError', 'merge_delta', 'aborted_output', 'RequestOutputStream', 'AsyncLLM', 'put_all']
 
 # %% ../../notebooks/11_serving.ipynb #e055a38a
 class RequestOutputStream:
@@ -49,11 +56,12 @@ class RequestOutputStream:
     reader slower than the engine gets fewer, larger outputs, never a growing backlog (vLLM does the same). Closing
     it, dropping it or cancelling the task that awaits it before the end aborts the request."""
 
-    def __init__(self, llm: AsyncLLM, request_id: str, kind: RequestOutputKind):
-        self.llm, self.request_id, self.kind = llm, request_id, kind
+    def __init__(self, llm: AsyncLLM, request_id: str, kind: RequestOutputKind, head: RequestOutput, n: int = 1):
+        self.llm, self.request_id, self.kind, self.token = llm, request_id, kind, next(TOKENS)
         self.loop, self.ready = asyncio.get_running_loop(), asyncio.Event()
         self.pending: RequestOutput | BaseException | None = None   # what the reader has not taken yet
         self.finished, self.total = False, None
+        self.last, self.n, self.ended = head, n, set()   # the latest output, and the samples that ended
 
     def put(self, item: RequestOutput | BaseException) -> None:
         "Called from the engine thread: hand `item` to the event loop's thread."
@@ -64,6 +72,11 @@ class RequestOutputStream:
 
     def push(self, item: RequestOutput | BaseException) -> None:
         "On the event loop's thread: `item` joins what waits for the reader (an error replaces it)."
+        if item is ABORTED:
+            item = aborted_output(self.last, self.n, self.ended)
+        if isinstance(item, RequestOutput):
+            self.last = item
+            self.ended.update(c.index for c in item.outputs if c.finish_reason is not None)
         both = isinstance(self.pending, RequestOutput) and isinstance(item, RequestOutput)
         self.pending = merge_delta(self.pending, item) if both else item
         self.ready.set()
@@ -86,7 +99,7 @@ class RequestOutputStream:
             raise item
         if item.finished:
             self.finished = True
-            self.llm.streams.pop(self.request_id, None)
+            self._unregister()
         self.total = merge_delta(self.total, item) if self.kind == RequestOutputKind.CUMULATIVE else item
         return self.total
 
@@ -94,8 +107,12 @@ class RequestOutputStream:
         "Abort the request unless it has finished."
         if not self.finished:
             self.finished = True
-            self.llm.streams.pop(self.request_id, None)
-            self.llm.commands.put(("abort", self.request_id))
+            self._unregister()
+            self.llm.commands.put(("abort", self.request_id, self.token))
+
+    def _unregister(self) -> None:
+        if self.llm.streams.get(self.request_id) is self:   # (not a later request's stream of the same id)
+            del self.llm.streams[self.request_id]
 
     async def aclose(self) -> None:
         self.close()
@@ -111,7 +128,8 @@ class AsyncLLM:
     def __init__(self, model: str, **kwargs):
         self.engine = LLMEngine(model, **kwargs)   # (made here, so that a bad argument raises here)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()   # what coroutines ask of the engine thread
-        self.streams: dict[str, RequestOutputStream] = {}        # the requests being awaited, by id
+        self.streams = weakref.WeakValueDictionary()   # the requests being awaited, by id (a dropped stream leaves)
+        self.owners: dict[str, int] = {}   # (the engine thread's) each request's stream, by its token
         self.step_hooks: list[Callable[[list[RequestOutput], float], None]] = []   # run after each step
         self.error: BaseException | None = None   # what ended the engine loop
         self.dead, self.closed = False, False
@@ -145,21 +163,22 @@ def generate(self: AsyncLLM, prompt: PromptType, sampling_params: SamplingParams
     checked = self.engine.validate(prompt, sampling_params)
     if request_id in self.streams:
         raise ValueError(f"request id {request_id!r} is already in use")
-    kind = checked[2].output_kind
-    stream = self.streams[request_id] = RequestOutputStream(self, request_id, kind)
+    kind, head = checked[2].output_kind, RequestOutput(request_id, checked[0], checked[1], [], False)
+    stream = self.streams[request_id] = RequestOutputStream(self, request_id, kind, head, checked[2].n)
     if not self.is_running:   # (checked after registering: a dying engine thread fails every stream it sees)
         stream.finished = True
         self.streams.pop(request_id, None)
         raise EngineDeadError("the engine is not running") from self.error
-    self.commands.put(("add", request_id, checked, kind != RequestOutputKind.FINAL_ONLY))
+    self.commands.put(("add", request_id, checked, kind != RequestOutputKind.FINAL_ONLY, stream.token))
     return stream
 
 
 @patch
 async def abort(self: AsyncLLM, request_id: str | list[str]) -> None:
-    "End requests by id; a stream still awaited ends with finish_reason 'abort'."
+    "End requests by id; a stream still awaited ends with finish_reason 'abort' (a request that ended: nothing)."
     for i in [request_id] if isinstance(request_id, str) else request_id:
-        self.commands.put(("abort", i))
+        if (stream := self.streams.get(i)) is not None:
+            self.commands.put(("abort", i, stream.token))
 
 # %% ../../notebooks/11_serving.ipynb #64f986f7
 @patch
@@ -179,7 +198,7 @@ def _run(self: AsyncLLM) -> None:
         self.dead = True
         error = EngineDeadError("the engine was shut down" if self.error is None else
                                 f"the engine loop failed: {self.error!r}")
-        for stream in list(self.streams.values()):
+        for stream in filter(None, (ref() for ref in self.streams.valuerefs())):   # (a list made at once: threads)
             stream.put(error)
 
 
@@ -188,7 +207,8 @@ def _deliver(self: AsyncLLM, outputs: list[RequestOutput]) -> None:
     "Hand a step's outputs to their streams: one wake-up of each event loop per step, not one per output."
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for out in outputs:
-        if (stream := self.streams.get(out.request_id)) is not None:
+        token = self.owners.pop(out.request_id, None) if out.finished else self.owners.get(out.request_id)
+        if (stream := self._stream(out.request_id, token)) is not None:
             by_loop.setdefault(stream.loop, []).append((stream, out))
     for loop, items in by_loop.items():
         try:
@@ -201,7 +221,7 @@ def put_all(items: list[tuple[RequestOutputStream, RequestOutput]]) -> None:
     for stream, out in items:
         stream.push(out)
 
-
+# %% ../../notebooks/11_serving.ipynb #75042e0e
 @patch
 def _apply(self: AsyncLLM, wait: bool) -> bool:
     "Carry out every queued command (when idle, first wait up to 0.1 s for one); False once asked to stop."
@@ -211,10 +231,11 @@ def _apply(self: AsyncLLM, wait: bool) -> bool:
             kind, request_id, *args = command
             if kind == "add":
                 self._add(request_id, *args)
-            else:
+            elif self.owners.get(request_id) == args[0]:   # (else it ended, or the id is a later request's now)
+                del self.owners[request_id]
                 self.engine.abort_request(request_id)
-                if (stream := self.streams.get(request_id)) is not None:   # still awaited: tell it
-                    stream.put(aborted_output(request_id))
+                if (stream := self._stream(request_id, args[0])) is not None:   # still awaited: tell it
+                    stream.put(ABORTED)
             command = self.commands.get_nowait()
         return False
     except queue.Empty:
@@ -222,12 +243,20 @@ def _apply(self: AsyncLLM, wait: bool) -> bool:
 
 
 @patch
-def _add(self: AsyncLLM, request_id: str, checked: tuple, stream: bool) -> None:
+def _add(self: AsyncLLM, request_id: str, checked: tuple, stream: bool, token: int) -> None:
     try:
         self.engine._add(*checked, request_id, stream)
-    except (ValueError, TypeError) as e:   # (an id still in use by a request that is being aborted)
-        if (s := self.streams.get(request_id)) is not None:
+        self.owners[request_id] = token
+    except (ValueError, TypeError) as e:   # (an id in use: a sample's of another request, say)
+        if (s := self._stream(request_id, token)) is not None:
             s.put(e)
+
+
+@patch
+def _stream(self: AsyncLLM, request_id: str, token: int | None) -> RequestOutputStream | None:
+    "The stream awaiting request `request_id` whose token is `token`, if it is still awaited."
+    stream = self.streams.get(request_id)
+    return stream if stream is not None and stream.token == token else None
 
 # %% ../../notebooks/11_serving.ipynb #e7aa9027
 @patch
