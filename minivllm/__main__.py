@@ -34,7 +34,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.no_thinking and not args.chat or args.demo and args.prompts:   # (a flag silently ignored misleads)
+        ap.error("--no-thinking needs --chat" if args.no_thinking and not args.chat else "--demo brings its prompts")
+    return args
 
 # %% auto #0
 __all__ = ['DEMO_PROMPTS', 'parse_args', 'read_prompts', 'main', 'run', 'chat_kwargs', 'stream', 'complete']

@@ -171,3 +171,16 @@ def test_chat_joins_text_parts_and_refuses_bytes_as_a_prompt(tiny_llm):
     for prompt in (b"hello", bytearray(b"hi")):   # (read as token ids 104, 101, ...: a silent wrong answer)
         with pytest.raises(TypeError, match="prompts must be a string, a list of token ids"):
             tiny_llm.generate(prompt, use_tqdm=False)
+
+
+@pytest.mark.parametrize("argv,message", [(["hi", "--no-thinking"], "--no-thinking needs --chat"),
+                                          (["hi", "--demo"], "--demo brings its prompts")])
+def test_the_command_line_refuses_a_flag_it_would_ignore(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_empty_model_path_is_not_the_working_directory():
+    with pytest.raises(ValueError, match="model path '' is not a folder"):
+        LLM("")

@@ -74,6 +74,7 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "AsyncLLM, from fuzzing it: commands and outputs addressed by the stream's token too (a reused id got another "
     "request's abort or outputs; a rejected id aborted another request's sample), streams held weakly (a loop left "
     "with break never aborted), an abort ends every sample and keeps the prompt": 29,
+    "the command line refuses --no-thinking without --chat and prompts with --demo; an empty model path": 3,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

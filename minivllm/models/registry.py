@@ -50,7 +50,7 @@ __all__ = ['MODEL_REGISTRY', 'ModelSpec', 'model_spec', 'load_config', 'build_mo
 def load_config(path: str | Path) -> PretrainedConfig:
     "The Hugging Face config of the model folder `path`; a ValueError unless the registry knows its model type."
     folder = Path(path)
-    if not folder.is_dir():
+    if not str(path) or not folder.is_dir():   # ('' would be the working directory)
         raise ValueError(f"model path {str(path)!r} is not a folder")
     config_file = folder / "config.json"
     if not config_file.is_file():
