@@ -135,8 +135,11 @@ def chat_prompts(self: LLM, messages: list[dict] | list[list[dict]], add_generat
                             f"'content': 'Hi'}}) or a list of them; conversation {i} is {c!r:.60}")
     conversations = [[chat_message(m, f"conversation {i}, message {j}") for j, m in enumerate(c)]
                      for i, c in enumerate(conversations)]
-    return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                          **(chat_template_kwargs or {})) for c in conversations]
+    try:
+        return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                              **(chat_template_kwargs or {})) for c in conversations]
+    except Exception as e:   # (jinja's errors: a template that rejects these messages, or raises by design)
+        raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
 
 
 def chat_message(message: dict, where: str) -> dict:

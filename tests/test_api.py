@@ -168,6 +168,8 @@ def test_chat_joins_text_parts_and_refuses_bytes_as_a_prompt(tiny_llm):
     assert tiny_llm.chat_prompts(parts) == tiny_llm.chat_prompts([{"role": "user", "content": "Hi\nthere"}])   # vLLM's
     with pytest.raises(TypeError, match="chat_template_kwargs must be a dict, got list"):
         tiny_llm.chat_prompts(parts, chat_template_kwargs=["x"])
+    with pytest.raises(ValueError, match="the chat template failed: TemplateError: boom"):   # (jinja's own class)
+        tiny_llm.chat_prompts(parts, chat_template_kwargs={"chat_template": "{{ raise_exception('boom') }}"})
     for prompt in (b"hello", bytearray(b"hi")):   # (read as token ids 104, 101, ...: a silent wrong answer)
         with pytest.raises(TypeError, match="prompts must be a string, a list of token ids"):
             tiny_llm.generate(prompt, use_tqdm=False)

@@ -604,9 +604,10 @@ def test_leaving_a_loop_with_break_aborts_the_request(server):
     async def main():
         async for _ in llm.generate("def forever():\n", params, "brk"):
             break
+        again = [out async for out in llm.generate("def f():", SamplingParams(max_tokens=2), "brk")]   # free at once
+        assert again[-1].finished and again[-1].outputs[0].finish_reason in ("length", "stop")
     asyncio.run(main())
     wait_idle(llm)   # aborted, not run out to 1500 tokens
-    asyncio.run(main())   # and the id is free again
 
 
 @pytest.mark.timeout(90)

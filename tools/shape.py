@@ -75,6 +75,8 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "request's abort or outputs; a rejected id aborted another request's sample), streams held weakly (a loop left "
     "with break never aborted), an abort ends every sample and keeps the prompt": 29,
     "the command line refuses --no-thinking without --chat and prompts with --demo; an empty model path": 3,
+    "the engine thread hands outputs to streams through weak references (a stream left with break goes at once, "
+    "its id free); a chat template's own error is a ValueError": 5,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

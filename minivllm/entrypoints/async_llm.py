@@ -66,7 +66,7 @@ class RequestOutputStream:
     def put(self, item: RequestOutput | BaseException) -> None:
         "Called from the engine thread: hand `item` to the event loop's thread."
         try:
-            self.loop.call_soon_threadsafe(self.push, item)
+            self.loop.call_soon_threadsafe(put_all, [(weakref.ref(self), item)])
         except RuntimeError:   # the event loop is closed: nobody waits any more
             pass
 
@@ -208,8 +208,8 @@ def _deliver(self: AsyncLLM, outputs: list[RequestOutput]) -> None:
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for out in outputs:
         token = self.owners.pop(out.request_id, None) if out.finished else self.owners.get(out.request_id)
-        if (stream := self._stream(out.request_id, token)) is not None:
-            by_loop.setdefault(stream.loop, []).append((stream, out))
+        if (stream := self._stream(out.request_id, token)) is not None:   # (held weakly: a dropped one goes now)
+            by_loop.setdefault(stream.loop, []).append((weakref.ref(stream), out))
     for loop, items in by_loop.items():
         try:
             loop.call_soon_threadsafe(put_all, items)
@@ -217,9 +217,10 @@ def _deliver(self: AsyncLLM, outputs: list[RequestOutput]) -> None:
             pass
 
 
-def put_all(items: list[tuple[RequestOutputStream, RequestOutput]]) -> None:
-    for stream, out in items:
-        stream.push(out)
+def put_all(items: list[tuple[weakref.ref, RequestOutput | BaseException | str]]) -> None:
+    for ref, out in items:
+        if (stream := ref()) is not None:
+            stream.push(out)
 
 # %% ../../notebooks/11_serving.ipynb #75042e0e
 @patch

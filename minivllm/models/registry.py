@@ -66,7 +66,8 @@ def load_config(path: str | Path) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as e:   # a field of the wrong type or value: transformers' checks raise their own classes
-        raise ValueError(f"config.json in {str(path)!r} is not a valid {model_type} config: {e}") from e
+        raise ValueError(f"config.json in {str(path)!r} is not a valid {model_type} config: {' '.join(str(e).split())}"
+                         ) from e
 
 # %% ../../notebooks/08_qwen3.ipynb #660f3079
 def build_model(hf_config: PretrainedConfig, path: str | Path, dtype: torch.dtype, device: torch.device,
