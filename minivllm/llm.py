@@ -125,14 +125,13 @@ def chat_prompts(self: LLM, messages: list[dict] | list[list[dict]], add_generat
         raise ValueError("chat() needs a tokenizer (the engine was made with skip_tokenizer_init=True)")
     if not isinstance(chat_template_kwargs, (dict, type(None))):
         raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+    usage = "chat() takes a conversation (a list of message dicts such as {'role': 'user', 'content': 'Hi'}) or a list"
     if not isinstance(messages, (list, tuple)):
-        raise TypeError(f"chat() takes a conversation (a list of message dicts such as {{'role': 'user', "
-                        f"'content': 'Hi'}}) or a list of them, got {type(messages).__name__}")
+        raise TypeError(f"{usage} of them, got {type(messages).__name__}")
     conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
     for i, c in enumerate(conversations):
         if not (isinstance(c, list) and c and all(isinstance(m, dict) for m in c)):
-            raise TypeError(f"chat() takes a conversation (a list of message dicts such as {{'role': 'user', "
-                            f"'content': 'Hi'}}) or a list of them; conversation {i} is {c!r:.60}")
+            raise TypeError(f"{usage} of them; conversation {i} is {c!r:.60}")
     conversations = [[chat_message(m, f"conversation {i}, message {j}") for j, m in enumerate(c)]
                      for i, c in enumerate(conversations)]
     try:

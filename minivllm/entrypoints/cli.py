@@ -20,9 +20,10 @@ ENGINE_FLAGS = (("--device", str, "auto"), ("--dtype", str, "auto"), ("--max-mod
 def int_in(low: int, high: int | None = None):
     "An argparse type: an int in [low, high] (a port, a limit), so that a bad one fails here, not after the model loads."
     def integer(text: str) -> int:   # (argparse names it in "invalid integer value")
-        if not low <= int(text) <= (high if high is not None else int(text)):
-            raise argparse.ArgumentTypeError(f"must be in [{low}, {high if high is not None else 'inf'}], got {text}")
-        return int(text)
+        value = int(text)
+        if value < low or high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {'inf' if high is None else high}], got {text}")
+        return value
     return integer
 
 
