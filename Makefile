@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=1800
 
-.PHONY: venv test test-unit test-browser test-gpu test-notebooks check-export shape export demo lab notebooks clean
+.PHONY: venv test test-unit test-under-load test-browser test-gpu test-notebooks check-export shape export demo lab notebooks clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: venv
 
 test-unit: venv
 	$(PY) -m pytest tests -m "not browser"
+
+## make test-under-load: the unit tests while a busy loop per core keeps the CPU saturated (tools/load_check.sh)
+test-under-load: venv
+	PY=$(PY) tools/load_check.sh
 
 ## make test-browser: JupyterLab in headless Chromium runs 00, 02 and 03 and moves their players' sliders
 ## (needs the distribution's chromium and chromium-driver: `apt-get install chromium chromium-driver`)

@@ -11,12 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import numpy as np
 import pytest
 
+from _net import wait_for
 from minivllm import TINY_MODEL_PATH
 from minivllm.bench_load import (RequestResult, keeps_up, percentile, poisson_arrivals, random_prompts, run_async,
                                  send_request, summarize)
@@ -178,9 +178,8 @@ def test_sigterm_stops_the_server_and_keeps_the_results(tmp_path):
     bench = subprocess.Popen([sys.executable, "-m", "minivllm.bench", "serve", "--model", TINY_MODEL_PATH, "--device",
                               "cpu", "--request-rate", "0.5", "--num-prompts", "50", "--input-len", "8", "--output-len",
                               "4", "--server-log", str(log), "--out", str(out)], stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while "POST /v1/completions" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_for(lambda: "POST /v1/completions" in (log.read_text() if log.exists() else ""), 120,
+             "the bench's first request in the server's log", interval=0.2)
     port = int(re.search(r"http://127.0.0.1:(\d+)", log.read_text()).group(1))
     bench.send_signal(signal.SIGTERM)   # (as `timeout` does): the server goes too, and the JSON is written
     assert bench.wait(40) == 143 and port_is_free(port)

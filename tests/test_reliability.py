@@ -513,6 +513,23 @@ def test_abort_while_running(llm, expected, abort_after):
     assert_clean(engine)
 
 
+def test_an_aborted_id_is_free_at_once_with_a_step_in_flight(llm, expected):
+    "abort_request frees the id before it returns, a step launched ahead or not: the same id again gets its own tokens."
+    engine = llm.llm_engine
+    for steps in (1, 2, 3):
+        engine.add_request("again", [1, 2, 3], SamplingParams(temperature=0, max_tokens=20))
+        for _ in range(steps):
+            engine.step()
+        engine.abort_request("again")
+        assert "again" not in engine.requests
+        engine.add_request("again", GOOD[1], GREEDY)
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
+        assert [o.request_id for o in done] == ["again"] and done[0].outputs[0].token_ids == expected[1]
+        assert_clean(engine)
+
+
 def test_abort_takes_one_id_or_a_list(llm, expected):
     "vLLM's abort_request takes a request id or a list of them; ids that are unknown or already ended are ignored."
     engine = llm.llm_engine

@@ -77,6 +77,8 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "the command line refuses --no-thinking without --chat and prompts with --demo; an empty model path": 3,
     "the engine thread hands outputs to streams through weak references (a stream left with break goes at once, "
     "its id free); a chat template's own error is a ValueError": 5,
+    "issue 45, an id free the moment its stream goes: the ids in use and each stream's route (its loop, a weak "
+    "reference) kept apart, so the engine thread never holds a stream; _send, _release": 12,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

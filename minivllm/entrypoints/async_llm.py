@@ -51,10 +51,11 @@ __all__ = ['ABORTED', 'TOKENS', 'EngineDeadError', 'merge_delta', 'aborted_outpu
 
 # %% ../../notebooks/11_serving.ipynb #e055a38a
 class RequestOutputStream:
-    """One request's outputs as an async iterator. The engine thread `put`s outputs (or an error) into it; the event
-    loop awaits them. What the reader has not taken yet waits in one slot, where newer deltas are merged into it: a
+    """One request's outputs as an async iterator. The engine thread sends it outputs (or an error) through its event
+    loop; the loop awaits them. What the reader has not taken yet waits in one slot, where newer deltas are merged into it: a
     reader slower than the engine gets fewer, larger outputs, never a growing backlog (vLLM does the same). Closing
-    it, dropping it or cancelling the task that awaits it before the end aborts the request."""
+    it, dropping it or cancelling the task that awaits it before the end aborts the request and frees its id at once.
+    Only the event loop's thread ever holds it: the engine thread reaches it through a weak reference."""
 
     def __init__(self, llm: AsyncLLM, request_id: str, kind: RequestOutputKind, head: RequestOutput, n: int = 1):
         self.llm, self.request_id, self.kind, self.token = llm, request_id, kind, next(TOKENS)
@@ -62,13 +63,6 @@ class RequestOutputStream:
         self.pending: RequestOutput | BaseException | None = None   # what the reader has not taken yet
         self.finished, self.total = False, None
         self.last, self.n, self.ended = head, n, set()   # the latest output, and the samples that ended
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        "Called from the engine thread: hand `item` to the event loop's thread."
-        try:
-            self.loop.call_soon_threadsafe(put_all, [(weakref.ref(self), item)])
-        except RuntimeError:   # the event loop is closed: nobody waits any more
-            pass
 
     def push(self, item: RequestOutput | BaseException) -> None:
         "On the event loop's thread: `item` joins what waits for the reader (an error replaces it)."
@@ -111,14 +105,14 @@ class RequestOutputStream:
             self.llm.commands.put(("abort", self.request_id, self.token))
 
     def _unregister(self) -> None:
-        if self.llm.streams.get(self.request_id) is self:   # (not a later request's stream of the same id)
-            del self.llm.streams[self.request_id]
+        self.llm._release(self.request_id, self.token)
 
     async def aclose(self) -> None:
         self.close()
 
     def __del__(self):
         self.close()
+
 
 # %% ../../notebooks/11_serving.ipynb #c217afaf
 class AsyncLLM:
@@ -128,8 +122,10 @@ class AsyncLLM:
     def __init__(self, model: str, **kwargs):
         self.engine = LLMEngine(model, **kwargs)   # (made here, so that a bad argument raises here)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()   # what coroutines ask of the engine thread
-        self.streams = weakref.WeakValueDictionary()   # the requests being awaited, by id (a dropped stream leaves)
-        self.owners: dict[str, int] = {}   # (the engine thread's) each request's stream, by its token
+        self.streams: dict[str, int] = {}   # the request ids in use, each with its stream's token
+        self.routes: dict[int, tuple[asyncio.AbstractEventLoop, weakref.ref]] = {}   # each stream's loop, by token
+        self.lock = threading.RLock()   # (streams and routes change on any event loop's thread, and in __del__)
+        self.owners: dict[str, int] = {}   # (the engine thread's) each running request's stream, by its token
         self.step_hooks: list[Callable[[list[RequestOutput], float], None]] = []   # run after each step
         self.error: BaseException | None = None   # what ended the engine loop
         self.dead, self.closed = False, False
@@ -152,6 +148,7 @@ class AsyncLLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return dataclasses.replace(self.engine.default_params)
 
+
 # %% ../../notebooks/11_serving.ipynb #c2ad79b3
 @patch
 def generate(self: AsyncLLM, prompt: PromptType, sampling_params: SamplingParams | None = None,
@@ -161,13 +158,16 @@ def generate(self: AsyncLLM, prompt: PromptType, sampling_params: SamplingParams
     finished output alone (FINAL_ONLY), per `sampling_params.output_kind`."""
     request_id = uuid.uuid4().hex if request_id is None else str(request_id)
     checked = self.engine.validate(prompt, sampling_params)
-    if request_id in self.streams:
-        raise ValueError(f"request id {request_id!r} is already in use")
     kind, head = checked[2].output_kind, RequestOutput(request_id, checked[0], checked[1], [], False)
-    stream = self.streams[request_id] = RequestOutputStream(self, request_id, kind, head, checked[2].n)
+    with self.lock:
+        if request_id in self.streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestOutputStream(self, request_id, kind, head, checked[2].n)
+        self.streams[request_id] = stream.token
+        self.routes[stream.token] = (stream.loop, weakref.ref(stream))
     if not self.is_running:   # (checked after registering: a dying engine thread fails every stream it sees)
         stream.finished = True
-        self.streams.pop(request_id, None)
+        self._release(request_id, stream.token)
         raise EngineDeadError("the engine is not running") from self.error
     self.commands.put(("add", request_id, checked, kind != RequestOutputKind.FINAL_ONLY, stream.token))
     return stream
@@ -177,8 +177,18 @@ def generate(self: AsyncLLM, prompt: PromptType, sampling_params: SamplingParams
 async def abort(self: AsyncLLM, request_id: str | list[str]) -> None:
     "End requests by id; a stream still awaited ends with finish_reason 'abort' (a request that ended: nothing)."
     for i in [request_id] if isinstance(request_id, str) else request_id:
-        if (stream := self.streams.get(i)) is not None:
-            self.commands.put(("abort", i, stream.token))
+        if (token := self.streams.get(i)) is not None:
+            self.commands.put(("abort", i, token))
+
+
+@patch
+def _release(self: AsyncLLM, request_id: str, token: int) -> None:
+    "The stream `token` has ended, closed or gone: its id is free for a new request, and nothing more reaches it."
+    with self.lock:
+        self.routes.pop(token, None)
+        if self.streams.get(request_id) == token:   # (not a later request's stream of the same id)
+            del self.streams[request_id]
+
 
 # %% ../../notebooks/11_serving.ipynb #64f986f7
 @patch
@@ -198,21 +208,30 @@ def _run(self: AsyncLLM) -> None:
         self.dead = True
         error = EngineDeadError("the engine was shut down" if self.error is None else
                                 f"the engine loop failed: {self.error!r}")
-        for stream in filter(None, (ref() for ref in self.streams.valuerefs())):   # (a list made at once: threads)
-            stream.put(error)
+        with self.lock:
+            tokens = list(self.routes)
+        self._send([(token, error) for token in tokens])
 
 
 @patch
 def _deliver(self: AsyncLLM, outputs: list[RequestOutput]) -> None:
-    "Hand a step's outputs to their streams: one wake-up of each event loop per step, not one per output."
+    "Hand a step's outputs to the streams that own their requests (a finished request's id is free again)."
+    owners = self.owners
+    tokens = [owners.pop(o.request_id, None) if o.finished else owners.get(o.request_id) for o in outputs]
+    self._send(list(zip(tokens, outputs)))
+
+
+@patch
+def _send(self: AsyncLLM, items: list[tuple[int | None, RequestOutput | BaseException | str]]) -> None:
+    """(The engine thread) hand each item to the stream of its token, on that stream's event loop: one wake-up of
+    each loop per call. Only weak references leave this thread, so a stream its reader drops goes at once."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-    for out in outputs:
-        token = self.owners.pop(out.request_id, None) if out.finished else self.owners.get(out.request_id)
-        if (stream := self._stream(out.request_id, token)) is not None:   # (held weakly: a dropped one goes now)
-            by_loop.setdefault(stream.loop, []).append((weakref.ref(stream), out))
-    for loop, items in by_loop.items():
+    for token, item in items:
+        if (route := self.routes.get(token)) is not None:   # (None: closed, dropped or ended)
+            by_loop.setdefault(route[0], []).append((route[1], item))
+    for loop, batch in by_loop.items():
         try:
-            loop.call_soon_threadsafe(put_all, items)
+            loop.call_soon_threadsafe(put_all, batch)
         except RuntimeError:   # that event loop is closed: nobody waits any more
             pass
 
@@ -221,6 +240,7 @@ def put_all(items: list[tuple[weakref.ref, RequestOutput | BaseException | str]]
     for ref, out in items:
         if (stream := ref()) is not None:
             stream.push(out)
+
 
 # %% ../../notebooks/11_serving.ipynb #75042e0e
 @patch
@@ -235,8 +255,7 @@ def _apply(self: AsyncLLM, wait: bool) -> bool:
             elif self.owners.get(request_id) == args[0]:   # (else it ended, or the id is a later request's now)
                 del self.owners[request_id]
                 self.engine.abort_request(request_id)
-                if (stream := self._stream(request_id, args[0])) is not None:   # still awaited: tell it
-                    stream.put(ABORTED)
+                self._send([(args[0], ABORTED)])   # (if it is still awaited)
             command = self.commands.get_nowait()
         return False
     except queue.Empty:
@@ -249,15 +268,8 @@ def _add(self: AsyncLLM, request_id: str, checked: tuple, stream: bool, token: i
         self.engine._add(*checked, request_id, stream)
         self.owners[request_id] = token
     except (ValueError, TypeError) as e:   # (an id in use: a sample's of another request, say)
-        if (s := self._stream(request_id, token)) is not None:
-            s.put(e)
+        self._send([(token, e)])
 
-
-@patch
-def _stream(self: AsyncLLM, request_id: str, token: int | None) -> RequestOutputStream | None:
-    "The stream awaiting request `request_id` whose token is `token`, if it is still awaited."
-    stream = self.streams.get(request_id)
-    return stream if stream is not None and stream.token == token else None
 
 # %% ../../notebooks/11_serving.ipynb #e7aa9027
 @patch
