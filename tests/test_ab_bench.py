@@ -27,8 +27,8 @@ if os.environ.get("FAKE_FAIL") == tree.name:
     sys.exit(3)
 time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
 rate = RATE * float(os.environ.get("FAKE_SCALE", "1")) + k
-results = dict(environment=dict(gpu="fake"), runs=[dict(engine="minivllm", workload="standard", output_tok_s=rate,
-               trace=[dict(t=0.0)] * 100)],
+results = dict(environment=dict(gpu="fake"), peaks=dict(bandwidth=4.3e12, flops=7.9e14),
+               runs=[dict(engine="minivllm", workload="standard", output_tok_s=rate, trace=[dict(t=0.0)] * 100)],
                latency=dict(single_stream=dict(output_tok_s=rate / 10),
                             decode_steps=[dict(batch=1, step_ms=1.0 + k), dict(batch=8, step_ms=2.0)]))
 Path(sys.argv[sys.argv.index("--out") + 1]).write_text(json.dumps(results))
@@ -76,6 +76,7 @@ def test_two_trees_alternate_and_the_summary_has_medians_and_ratio(tmp_path):
     assert summary["medians"]["single stream output tok/s"]["ratio"] == pytest.approx(111 / 101)
     assert summary["medians"]["decode step ms, batch 1"]["A_runs"] == [1, 2, 3]
     assert summary["medians"]["decode step ms, batch 8"]["ratio"] == 1
+    assert summary["medians"]["card copy TB/s"]["A"] == 4.3 and summary["medians"]["card bf16 TFLOP/s"]["ratio"] == 1
     assert "trace" not in summary["runs"][0]["results"]["runs"][0]             # the traces stay in the run's file
     assert json.loads((tmp_path / "w" / "run1_A.json").read_text())["runs"][0]["trace"]
     assert "standard output tok/s" in done.stdout and "1.099" in done.stdout  # the table: 111 / 101

@@ -84,13 +84,15 @@ def check_tree(tree: Path, env: dict[str, str]) -> str:
 
 def metrics(results: dict) -> dict[str, float]:
     """The figures of one results file: each workload's output tok/s (and the standard one's host time a decode step
-    at batch 256); the single stream's output tok/s; each batch's decode step."""
+    at batch 256); the card's measured rates; the single stream's output tok/s; each batch's decode step."""
     found = {}
     for run in results.get("runs", []):
         engine = "" if run.get("engine", "minivllm") == "minivllm" else f" ({run['engine']})"
         found[f"{run['workload']}{engine} output tok/s"] = run["output_tok_s"]
         if run.get("host_ms_per_decode_step_at_batch_256"):
             found[f"{run['workload']} host ms a decode step, batch 256"] = run["host_ms_per_decode_step_at_batch_256"]
+    if peaks := results.get("peaks"):   # the card's rates as the run measured them (a bench that measures them)
+        found["card copy TB/s"], found["card bf16 TFLOP/s"] = peaks["bandwidth"] / 1e12, peaks["flops"] / 1e12
     if latency := results.get("latency"):
         found["single stream output tok/s"] = latency["single_stream"]["output_tok_s"]
         for row in latency.get("decode_steps", []):
