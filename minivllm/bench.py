@@ -8,6 +8,7 @@
     python -m minivllm.bench --prefix --out results.json      # + 256 requests sharing a 1,024-token prefix, cache on/off
     python -m minivllm.bench --arch qwen3-30b-a3b             # another architecture, dummy weights made in place
     python -m minivllm.bench --latency --skip-standard        # one stream alone, a decode step by batch size
+    python -m minivllm.bench --bandwidth 4.3e12 --flops 790e12  # the bound at these rates (default: the card's, measured)
     python -m minivllm.bench serve --help                     # the serving benchmark (bench_serve.py)
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .bench_card import H200_BANDWIDTH, H200_FLOPS, card_line, cuda_versions, measure_card
 from .bench_models import ARCHS, QWEN3_0_6B, config_folder, random_qwen3_folder, roofline  # noqa: F401
 
 
@@ -144,7 +146,7 @@ def environment() -> dict:
     env = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
                triton=triton.__version__, cpu_count=os.cpu_count())
     if torch.cuda.is_available():
-        env.update(gpu=torch.cuda.get_device_name(), gpu_count=torch.cuda.device_count())
+        env.update(gpu=torch.cuda.get_device_name(), gpu_count=torch.cuda.device_count(), **cuda_versions())
     from minivllm.kernels.backends import flash_attn_version
     if version := flash_attn_version():
         env.update(flash_attn=version)
@@ -186,8 +188,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           ("--max-model-len", 4096)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s for the roofline (H200 copy: 4.3e12)")
-    ap.add_argument("--flops", type=float, default=790e12, help="FLOP/s for the roofline (H200 bf16: 790e12)")
+    ap.add_argument("--bandwidth", type=float, default=None,
+                    help="bytes/s for the roofline (default: the card's copy, measured first; the H200's: 4.3e12)")
+    ap.add_argument("--flops", type=float, default=None,
+                    help="FLOP/s for the roofline (default: the card's bf16 matmul, measured first; the H200's: 790e12)")
     ap.add_argument("--out", default=None, help="write the results (and step traces) to this JSON file")
     return ap.parse_args(argv)
 
@@ -198,12 +202,17 @@ class Report:
     def __init__(self, **info):
         self.data = dict(info, runs=[])
 
-    def add(self, result: BenchResult, bound: dict | None = None, trace: list | None = None) -> None:
+    def add(self, result: BenchResult, bound: dict | None = None, trace: list | None = None,
+            h200_bound: dict | None = None) -> None:
         line, entry = result.line(), dict(asdict(result), output_tok_s=result.output_tok_s)
         if bound:
             entry["roofline"] = bound
             entry["fraction_of_bound"] = result.output_tok_s / bound["max_output_tok_s"]
             line += f" = {entry['fraction_of_bound']:.1%} of the bound ({bound['max_output_tok_s']:,.0f})"
+        if h200_bound:   # the same bound at the H200's fixed rates: comparable across cards and with earlier runs
+            entry["roofline_h200"] = h200_bound
+            entry["fraction_of_h200_bound"] = result.output_tok_s / h200_bound["max_output_tok_s"]
+            line += f", {entry['fraction_of_h200_bound']:.1%} at the H200's ({h200_bound['max_output_tok_s']:,.0f})"
         if trace:
             entry["host_ms_per_decode_step_at_batch_256"] = (host_time_per_decode_step(trace, 256) or 0) * 1e3
             entry["trace"] = [dict(t=r.start, step_s=r.duration, wait_s=r.wait, batch=len(r.seq_ids),
@@ -218,8 +227,9 @@ def run_workloads(args: argparse.Namespace, model: str, spec: dict, engine_kwarg
     if not args.skip_standard:
         prompts, outs = standard_workload(args.num_seqs, args.max_input, args.max_output, args.seed)
         bound = roofline(spec, list(map(len, prompts)), outs, args.bandwidth, args.flops)
+        h200 = roofline(spec, list(map(len, prompts)), outs, H200_BANDWIDTH, H200_FLOPS)
         result, trace = run_minivllm(model, prompts, outs, "standard", args.temperature, **engine_kwargs)
-        report.add(result, bound, trace)
+        report.add(result, bound, trace, h200)
         if (host := host_time_per_decode_step(trace, 256)) is not None:
             print(f"host time per decode step at batch 256: {host * 1e3:.2f} ms (median)")
     if args.compare:
@@ -243,6 +253,7 @@ def run_workloads(args: argparse.Namespace, model: str, spec: dict, engine_kwarg
         report.data["latency"] = run_latency(model, spec, engine_kwargs, args.bandwidth, args.flops)
 
 
+# %% ../notebooks/13_qwen3_on_gpu.ipynb #506276f3
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:   # `python -m minivllm.bench serve ...`: the serving benchmark
@@ -252,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("the GPU benchmark needs a CUDA device; on a CPU, see tools/cpu_bench.py", file=sys.stderr)
         return 2
+    peaks = None
+    if args.bandwidth is None or args.flops is None:   # the bounds at this card's own rates, measured first
+        peaks = measure_card("cuda")
+        print(card_line(peaks), flush=True)
+        args.bandwidth, args.flops = args.bandwidth or peaks["bandwidth"], args.flops or peaks["flops"]
     load_format = args.load_format or ("auto" if args.model or args.arch == "qwen3-0.6b" else "dummy")
     if args.model:
         model = args.model
@@ -269,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                          gpu_memory_utilization=args.gpu_memory_utilization)
     report = Report(model=model, random_weights=not args.model or load_format == "dummy", environment=environment(),
-                    args=vars(args))
+                    peaks=peaks, args=vars(args))
     run_workloads(args, model, AutoConfig.from_pretrained(model).to_dict(), engine_kwargs, report)
     if args.out:
         with open(args.out, "w") as f:

@@ -8,6 +8,7 @@ import os
 import statistics
 import time
 
+from .bench_card import H200_BANDWIDTH, H200_FLOPS
 from .bench_load import random_prompts
 from .bench_models import roofline
 
@@ -29,16 +30,19 @@ def traced_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[lis
 
 def decode_step_table(llm, spec: dict, batches: tuple[int, ...] = (1, 8, 32, 128, 256), context: int = 1024,
                       steps: int = 64, bandwidth: float = 4.3e12, flops: float = 790e12) -> list[dict]:
-    "Per batch size: the median decode step (wall and host time, ms) of `batch` x `context` tokens, and its bound."
+    """Per batch size: the median decode step (wall and host time, ms) of `batch` x `context` tokens, and its bound
+    (at `bandwidth` and `flops`, and at the H200's fixed rates)."""
     rows = []
     for batch in batches:
         prompts = spec_prompts(spec, batch, context, seed=batch)
         trace, _ = traced_generate(llm, prompts, steps + 1)
         decode = [r for r in trace if r.is_decode_only and len(r.seq_ids) == batch]
-        bound = roofline(spec, [context + steps // 2] * batch, [1] * batch, bandwidth, flops)["decode_s"]
+        lens = [context + steps // 2] * batch
+        bound = roofline(spec, lens, [1] * batch, bandwidth, flops)["decode_s"]
         rows.append(dict(batch=batch, context=context, steps=len(decode),
                          step_ms=1e3 * statistics.median(r.duration for r in decode),
-                         host_ms=1e3 * statistics.median(r.duration - r.wait for r in decode), bound_ms=1e3 * bound))
+                         host_ms=1e3 * statistics.median(r.duration - r.wait for r in decode), bound_ms=1e3 * bound,
+                         h200_bound_ms=1e3 * roofline(spec, lens, [1] * batch, H200_BANDWIDTH, H200_FLOPS)["decode_s"]))
     return rows
 
 
@@ -56,13 +60,16 @@ __all__ = ['spec_prompts', 'traced_generate', 'decode_step_table', 'single_strea
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #84e4e4f9
 def latency_lines(stream: dict, table: list[dict]) -> list[str]:
-    "The single stream in a line, then the decode-step table."
+    "The single stream in a line, then the decode-step table (with the bound at the H200's rates where it has one)."
+    h200 = all("h200_bound_ms" in r for r in table)
     lines = [f"one stream: {stream['prompt_tokens']:,}-token prompt, {stream['output_tokens']} output tokens in "
              f"{stream['seconds']:.3f} s = {stream['output_tok_s']:,.0f} output tok/s (first step "
              f"{stream['first_step_ms']:.1f} ms, median decode step {stream['decode_step_ms']:.3f} ms)",
-             "batch  context  decode step ms  host ms  bound ms  step / bound"]
+             "batch  context  decode step ms  host ms  bound ms  step / bound" + "  H200 bound ms  step / H200's" * h200]
     lines += [f"{r['batch']:5d}  {r['context']:7,}  {r['step_ms']:14.3f}  {r['host_ms']:7.3f}  {r['bound_ms']:8.3f}  "
-              f"{r['step_ms'] / r['bound_ms']:11.1f}x" for r in table]
+              f"{r['step_ms'] / r['bound_ms']:11.1f}x" + (f"  {r['h200_bound_ms']:13.3f}  "
+                                                         f"{r['step_ms'] / r['h200_bound_ms']:12.1f}x" if h200 else "")
+              for r in table]
     return lines
 
 
