@@ -15,6 +15,8 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import torch
@@ -792,14 +794,23 @@ def test_norm_gemv_and_the_decoder_layers_one_row_path_on_gpu():
         torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
 
 
-def test_early_launch_only_on_a_capable_gpu(monkeypatch):
-    "Programmatic dependent launch: never in the interpreter or on a CPU tensor; on a GPU only if asked and capable."
-    assert common.ENABLE_PDL == (os.environ.get("MINIVLLM_PDL") == "1")   # off unless MINIVLLM_PDL=1
+@pytest.mark.parametrize("value, on", [(None, True), ("0", False)])
+def test_minivllm_pdl_switches_early_launch(value, on):
+    "Early launch is on unless MINIVLLM_PDL=0 (read once, at import)."
+    env = {k: v for k, v in os.environ.items() if k != "MINIVLLM_PDL"} | ({} if value is None else {"MINIVLLM_PDL": value})
+    code = "from minivllm.kernels import common; print(common.ENABLE_PDL)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == str(on)
+
+
+def test_early_launch_only_on_a_capable_gpu_for_one_row(monkeypatch):
+    "Programmatic dependent launch: never in the interpreter, on a CPU tensor or past PDL_MAX_ROWS rows."
     monkeypatch.setattr(common, "ENABLE_PDL", True)
     assert not common.use_pdl(torch.device("cpu"))
     if torch.cuda.is_available():
         capable = torch.cuda.get_device_capability()[0] >= 9 and torch.version.hip is None
-        assert common.use_pdl(torch.device("cuda")) == capable
+        assert common.use_pdl(torch.device("cuda"), 1) == capable
+        assert not common.use_pdl(torch.device("cuda"), common.PDL_MAX_ROWS + 1)
         monkeypatch.setattr(common, "ENABLE_PDL", False)
         assert not common.use_pdl(torch.device("cuda"))
 

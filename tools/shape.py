@@ -79,6 +79,7 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "its id free); a chat template's own error is a ValueError": 5,
     "issue 45, an id free the moment its stream goes: the ids in use and each stream's route (its loop, a weak "
     "reference) kept apart, so the engine thread never holds a stream; _send, _release": 12,
+    "issue 52 (part), early launch on by default for steps of one token row (PDL_MAX_ROWS, use_pdl's rows)": 2,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

@@ -42,11 +42,12 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache and v_cache need a contiguous last dimension (head_dim)")
 
 # %% auto #0
-__all__ = ['ENABLE_PDL', 'next_pow2', 'check_device', 'dot_options', 'check_kv_cache', 'use_pdl', 'pdl_launch_next', 'pdl_wait',
-           'online_softmax_update']
+__all__ = ['ENABLE_PDL', 'PDL_MAX_ROWS', 'next_pow2', 'check_device', 'dot_options', 'check_kv_cache', 'use_pdl',
+           'pdl_launch_next', 'pdl_wait', 'online_softmax_update']
 
 # %% ../../notebooks/06_attention_kernels.ipynb #70f3368d
-ENABLE_PDL = os.environ.get("MINIVLLM_PDL", "0") == "1"   # off until measured in the engine (the section)
+ENABLE_PDL = os.environ.get("MINIVLLM_PDL", "1") != "0"   # MINIVLLM_PDL=0 turns it off
+PDL_MAX_ROWS = 1   # early launch pays for one sequence's decode step only (measured: the section)
 
 
 @functools.cache   # a fact of the hardware
@@ -54,9 +55,9 @@ def _pdl_capable(index: int) -> bool:
     return gdc_wait is not None and torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def use_pdl(device: torch.device) -> bool:
-    "Launch a decode step's kernels early (programmatic dependent launch, compute capability 9.0 and later)?"
-    if not ENABLE_PDL or INTERPRET or device.type != "cuda":
+def use_pdl(device: torch.device, rows: int = 1) -> bool:
+    "Launch a kernel of a step of `rows` token rows early (programmatic dependent launch, compute capability 9.0+)?"
+    if not ENABLE_PDL or INTERPRET or device.type != "cuda" or rows > PDL_MAX_ROWS:
         return False
     return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -75,7 +75,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fuse_silu: bool = False) -> torc
     x, weight = check_row(x, weight, fuse_silu)
     n = weight.shape[0] // 2 if fuse_silu else weight.shape[0]
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    pdl = use_pdl(x.device)
+    pdl = use_pdl(x.device, x.shape[0])
     block_n, block_k = gemv_tiles(n, x.shape[1], pdl)
     _gemv_kernel[(triton.cdiv(n, block_n),)](y, x, weight, n, x.shape[1], FUSE_SILU=fuse_silu, BLOCK_N=block_n,
                                             BLOCK_K=block_k, PDL=pdl, num_warps=4, launch_pdl=pdl)
@@ -121,7 +121,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
                          f"got {tuple(norm_weight.shape)} {norm_weight.dtype}")
     n = weight.shape[0] // 2 if fuse_silu else weight.shape[0]
     y, total = torch.empty(1, n, dtype=x.dtype, device=x.device), x if residual is None else torch.empty_like(x)
-    block_k, pdl = triton.next_power_of_2(k), use_pdl(x.device)
+    block_k, pdl = triton.next_power_of_2(k), use_pdl(x.device, x.shape[0])
     block_n = max(1, min(4 if n >= 4096 else 2, 4096 // block_k))   # a tile of at most 4,096 weights
     _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
         y, total, x, x if residual is None else residual.contiguous(), norm_weight, weight, n, k, eps,

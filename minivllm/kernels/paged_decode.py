@@ -233,7 +233,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_lse = out if parts is None else torch.empty(parts, dtype=torch.float32, device=q.device)
     common = dict(NUM_Q_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
                   DIM_PAD=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, **dot_options(q.dtype))
-    log2_scale, sk, sv, pdl = scale * math.log2(math.e), k_cache.stride(), v_cache.stride(), use_pdl(q.device)
+    log2_scale, sk, sv = scale * math.log2(math.e), k_cache.stride(), v_cache.stride()
+    pdl = use_pdl(q.device, q.shape[0])
     if cascade:
         _shared_prefix_kernel[(num_kv_heads, plan.q_tiles, plan.prefix_parts)](
             part_out, part_lse, q, k_cache, v_cache, block_tables, context_lens, shared_prefix_len, log2_scale, batch,

@@ -87,7 +87,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
     check_device(qkv, cos_sin_cache, positions, slot_mapping, k_cache, v_cache)
     q = qkv.new_empty(n, num_heads, head_dim)
     if n:
-        has_norm, pdl = q_weight is not None, use_pdl(qkv.device)
+        has_norm, pdl = q_weight is not None, use_pdl(qkv.device, qkv.shape[0])
         _qk_norm_rope_store_kernel[(n,)](
             qkv, q, q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos_sin_cache, positions,
             slot_mapping, k_cache, v_cache, qkv.stride(0), q.stride(0), cos_sin_cache.stride(0), k_cache.stride(1),
