@@ -9,7 +9,6 @@ import os
 from dataclasses import dataclass, field, fields
 
 import torch
-from fastcore.basics import patch
 from transformers import PretrainedConfig
 
 from .kernels.backends import select_backend
@@ -172,32 +171,35 @@ class Config:
         "Whether decode steps may read a prefix that all their sequences share once (notebook 06: Triton only)."
         return self.enable_prefix_caching and self.attention_backend == "triton"
 
-# %% ../notebooks/09_model_runner.ipynb #a14b4344
-@patch(as_prop=True)
-def generation_defaults(self: Config) -> dict:
-    "generation_config.json (when there is one), or {}."
-    path = os.path.join(self.model, "generation_config.json")
-    return json.load(open(path)) if os.path.isfile(path) else {}
+    # %% ../notebooks/09_model_runner.ipynb #a14b4344
+    @property
+    def generation_defaults(self) -> dict:
+        "generation_config.json (when there is one), or {}."
+        path = os.path.join(self.model, "generation_config.json")
+        return json.load(open(path)) if os.path.isfile(path) else {}
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        "The end-of-sequence ids: generation_config.json's if there is one, else config.json's."
+        ids = self.generation_defaults.get("eos_token_id")
+        ids = self.hf_config.eos_token_id if ids is None else ids
+        return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
 
-@patch(as_prop=True)
-def eos_token_ids(self: Config) -> list[int]:
-    "The end-of-sequence ids: generation_config.json's if there is one, else config.json's."
-    ids = self.generation_defaults.get("eos_token_id")
-    ids = self.hf_config.eos_token_id if ids is None else ids
-    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-
-
-@patch(as_prop=True)
-def default_sampling_params(self: Config) -> dict:
-    "vLLM's generation_config='auto': the sampling fields the checkpoint sets, as SamplingParams' arguments."
-    if self.generation_config == "vllm":
-        return {}
-    given = self.generation_defaults
-    return {ours: given[theirs] for theirs, ours in GENERATION_FIELDS.items() if given.get(theirs) is not None}
+    @property
+    def default_sampling_params(self) -> dict:
+        "vLLM's generation_config='auto': the sampling fields the checkpoint sets, as SamplingParams' arguments."
+        if self.generation_config == "vllm":
+            return {}
+        given = self.generation_defaults
+        return {ours: given[theirs] for theirs, ours in GENERATION_FIELDS.items() if given.get(theirs) is not None}
 
 # %% ../notebooks/09_model_runner.ipynb #3c4dc650
-def takes_engine_arguments(init):
+from typing import Callable, TypeVar
+
+_Init = TypeVar("_Init", bound=Callable)
+
+
+def takes_engine_arguments(init: _Init) -> _Init:
     "Show Config's fields as the keyword arguments of `init`, which passes its **kwargs on to Config (help, Shift-Tab)."
     sig = inspect.signature(init)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]

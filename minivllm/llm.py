@@ -7,7 +7,6 @@ import dataclasses
 from collections.abc import Iterator, Sequence as SequenceABC
 from numbers import Integral
 
-from fastcore.basics import patch
 from tqdm.auto import tqdm
 
 from .config import takes_engine_arguments
@@ -105,42 +104,73 @@ class LLM:
         "Complete every prompt; the outputs come back in the order of the prompts."
         return self._run(prompts, sampling_params, use_tqdm)
 
+    # %% ../notebooks/10_llm_engine.ipynb #dee6f314
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate.
+        `chat_template_kwargs` go to the template: Qwen3 answers without thinking first with {"enable_thinking": False}."""
+        return self._run(self.chat_prompts(messages, add_generation_prompt, chat_template_kwargs), sampling_params,
+                         use_tqdm)
+
+    def chat_prompts(self, messages: list[dict] | list[list[dict]], add_generation_prompt: bool = True,
+                     chat_template_kwargs: dict | None = None) -> list[str]:
+        "The prompts `chat` generates from: each conversation through the tokenizer's chat template."
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat() needs a tokenizer (the engine was made with skip_tokenizer_init=True)")
+        if not isinstance(chat_template_kwargs, (dict, type(None))):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+        usage = "chat() takes a conversation (a list of message dicts such as {'role': 'user', 'content': 'Hi'}) or a list"
+        if not isinstance(messages, (list, tuple)):
+            raise TypeError(f"{usage} of them, got {type(messages).__name__}")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        for i, c in enumerate(conversations):
+            if not (isinstance(c, list) and c and all(isinstance(m, dict) for m in c)):
+                raise TypeError(f"{usage} of them; conversation {i} is {c!r:.60}")
+        conversations = [[chat_message(m, f"conversation {i}, message {j}") for j, m in enumerate(c)]
+                         for i, c in enumerate(conversations)]
+        try:
+            return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  **(chat_template_kwargs or {})) for c in conversations]
+        except Exception as e:   # (jinja's errors: a template that rejects these messages, or raises by design)
+            raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        "Yield a `RequestOutput` holding only the new text and tokens each time the request produces some."
+        engine = self._engine()
+        request_id = engine._add(*engine.validate(prompt, sampling_params), stream=True)
+        try:
+            finished = False
+            while not finished:
+                for out in engine.step():
+                    if out.request_id == request_id:
+                        finished = out.finished
+                        yield out
+        finally:
+            engine.abort_request(request_id)   # a no-op once finished; frees the blocks if the caller stopped early
+
+    # %% ../notebooks/10_llm_engine.ipynb #4cda4e5a
+    def close(self) -> None:
+        "Free the model and the KV cache (and stop worker processes, with tensor parallelism)."
+        engine = getattr(self, "llm_engine", None)   # absent when the constructor failed
+        if engine is not None:
+            self.llm_engine = None
+            engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:   # (not contextlib.suppress: at interpreter exit the module's globals may be gone already)
+            self.close()
+        except Exception:
+            pass
+
 # %% ../notebooks/10_llm_engine.ipynb #dee6f314
-@patch
-def chat(self: LLM, messages: list[dict] | list[list[dict]],
-         sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-         add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-    """Apply the tokenizer's chat template to one conversation or a list of them, then generate.
-    `chat_template_kwargs` go to the template: Qwen3 answers without thinking first with {"enable_thinking": False}."""
-    return self._run(self.chat_prompts(messages, add_generation_prompt, chat_template_kwargs), sampling_params,
-                     use_tqdm)
-
-
-@patch
-def chat_prompts(self: LLM, messages: list[dict] | list[list[dict]], add_generation_prompt: bool = True,
-                 chat_template_kwargs: dict | None = None) -> list[str]:
-    "The prompts `chat` generates from: each conversation through the tokenizer's chat template."
-    tokenizer = self.get_tokenizer()
-    if tokenizer is None:
-        raise ValueError("chat() needs a tokenizer (the engine was made with skip_tokenizer_init=True)")
-    if not isinstance(chat_template_kwargs, (dict, type(None))):
-        raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
-    usage = "chat() takes a conversation (a list of message dicts such as {'role': 'user', 'content': 'Hi'}) or a list"
-    if not isinstance(messages, (list, tuple)):
-        raise TypeError(f"{usage} of them, got {type(messages).__name__}")
-    conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-    for i, c in enumerate(conversations):
-        if not (isinstance(c, list) and c and all(isinstance(m, dict) for m in c)):
-            raise TypeError(f"{usage} of them; conversation {i} is {c!r:.60}")
-    conversations = [[chat_message(m, f"conversation {i}, message {j}") for j, m in enumerate(c)]
-                     for i, c in enumerate(conversations)]
-    try:
-        return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                              **(chat_template_kwargs or {})) for c in conversations]
-    except Exception as e:   # (jinja's errors: a template that rejects these messages, or raises by design)
-        raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
-
-
 def chat_message(message: dict, where: str) -> dict:
     "A message as templates expect it: a role, and text content (OpenAI's text parts joined by newlines, as vLLM)."
     content = message.get("content")
@@ -153,46 +183,3 @@ def chat_message(message: dict, where: str) -> dict:
         raise TypeError(f"{where}: 'content' must be a string or a list of text parts (no images here), "
                         f"got {content!r:.60}")
     return message
-
-
-@patch
-def stream(self: LLM, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-    "Yield a `RequestOutput` holding only the new text and tokens each time the request produces some."
-    engine = self._engine()
-    request_id = engine._add(*engine.validate(prompt, sampling_params), stream=True)
-    try:
-        finished = False
-        while not finished:
-            for out in engine.step():
-                if out.request_id == request_id:
-                    finished = out.finished
-                    yield out
-    finally:
-        engine.abort_request(request_id)   # a no-op once finished; frees the blocks if the caller stopped early
-
-# %% ../notebooks/10_llm_engine.ipynb #4cda4e5a
-@patch
-def close(self: LLM) -> None:
-    "Free the model and the KV cache (and stop worker processes, with tensor parallelism)."
-    engine = getattr(self, "llm_engine", None)   # absent when the constructor failed
-    if engine is not None:
-        self.llm_engine = None
-        engine.close()
-
-
-@patch
-def __enter__(self: LLM) -> LLM:
-    return self
-
-
-@patch
-def __exit__(self: LLM, *exc) -> None:
-    self.close()
-
-
-@patch
-def __del__(self: LLM):
-    try:   # (not contextlib.suppress: at interpreter exit the module's globals may be gone already)
-        self.close()
-    except Exception:
-        pass

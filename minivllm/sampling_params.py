@@ -8,8 +8,6 @@ import functools
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
-from fastcore.basics import patch
-
 class RequestOutputKind(enum.IntEnum):
     "What an asynchronous request's outputs hold (notebook 11): all so far, only what is new, or the end alone."
     CUMULATIVE = 0
@@ -96,80 +94,76 @@ class SamplingParams:
     def top_k_enabled(self) -> bool:
         return self.top_k > 0
 
-# %% ../notebooks/01_sequence.ipynb #c2f1a7d0
-@patch
-def _normalize_lists(self: SamplingParams) -> None:
-    "`stop` and `bad_words` as lists of non-empty strings; token ids as lists of ints; `logit_bias` as {int: float}."
-    for name in ("stop", "bad_words"):
-        value = [] if getattr(self, name) is None else getattr(self, name)
-        if not isinstance(value, (str, list, tuple)):
-            raise TypeError(f"SamplingParams.{name} must be a string or a list of strings, got {value!r}")
-        setattr(self, name, [value] if isinstance(value, str) else list(value))
-        for s in getattr(self, name):
-            if not isinstance(s, str) or not s:
-                raise TypeError(f"SamplingParams.{name} must be a non-empty string or a list of them, got {s!r}")
-    self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids or [])
-    if self.allowed_token_ids is not None:
-        self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
-        if not self.allowed_token_ids:
-            raise ValueError("SamplingParams.allowed_token_ids is empty: no token could be sampled (None: all)")
-    if self.logit_bias is not None:
-        if not isinstance(self.logit_bias, dict):
-            raise TypeError(f"SamplingParams.logit_bias must be a dict token id -> bias, "
-                            f"got {type(self.logit_bias).__name__}")
-        for bias in self.logit_bias.values():
-            _check_type("logit_bias values", bias, (Real,))
-            if not bias < float("inf"):   # (-inf bans a token; NaN or +inf would leave no distribution to sample)
-                raise ValueError(f"SamplingParams.logit_bias values must be numbers < inf (-inf bans), got {bias}")
-        self.logit_bias = dict(zip(_token_ids("logit_bias keys", list(self.logit_bias)),
-                                   map(float, self.logit_bias.values())))
+    # %% ../notebooks/01_sequence.ipynb #c2f1a7d0
+    def _normalize_lists(self) -> None:
+        "`stop` and `bad_words` as lists of non-empty strings; token ids as lists of ints; `logit_bias` as {int: float}."
+        for name in ("stop", "bad_words"):
+            value = [] if getattr(self, name) is None else getattr(self, name)
+            if not isinstance(value, (str, list, tuple)):
+                raise TypeError(f"SamplingParams.{name} must be a string or a list of strings, got {value!r}")
+            setattr(self, name, [value] if isinstance(value, str) else list(value))
+            for s in getattr(self, name):
+                if not isinstance(s, str) or not s:
+                    raise TypeError(f"SamplingParams.{name} must be a non-empty string or a list of them, got {s!r}")
+        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("SamplingParams.allowed_token_ids is empty: no token could be sampled (None: all)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"SamplingParams.logit_bias must be a dict token id -> bias, "
+                                f"got {type(self.logit_bias).__name__}")
+            for bias in self.logit_bias.values():
+                _check_type("logit_bias values", bias, (Real,))
+                if not bias < float("inf"):   # (-inf bans a token; NaN or +inf would leave no distribution to sample)
+                    raise ValueError(f"SamplingParams.logit_bias values must be numbers < inf (-inf bans), got {bias}")
+            self.logit_bias = dict(zip(_token_ids("logit_bias keys", list(self.logit_bias)),
+                                       map(float, self.logit_bias.values())))
+
+    # %% ../notebooks/01_sequence.ipynb #c2f1a7d1
+    def _check_ranges(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"SamplingParams.n must be in [1, {MAX_N:,}], got {self.n} (for more samples, send the "
+                             f"prompt again)")
+        if not self.temperature >= 0 or self.temperature == float("inf"):
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if not -1 <= self.top_k < 2**63:   # (the sampler holds top_k in an int64 tensor)
+            raise ValueError(f"SamplingParams.top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}")
+        if self.seed is not None and not -2**63 <= self.seed <= 2**64 - self.n:   # torch.Generator.manual_seed's range
+            last = f" (and so must seed + {self.n - 1}, the last sample's)" if self.n > 1 else ""
+            raise ValueError(f"SamplingParams.seed must fit in 64 bits{last}, got {self.seed}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0 (1: off), "
+                             f"got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
+            raise ValueError(f"SamplingParams.min_tokens must be >= 0 and at most max_tokens ({self.max_tokens}), "
+                             f"got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"SamplingParams.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def needs_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def changes_logits(self) -> bool:
+        "Are the logits changed before sampling (penalties, min_tokens, bad words, logit_bias, allowed_token_ids)?"
+        return bool(self.needs_penalties or self.min_tokens or self.bad_words or self.logit_bias
+                    or self.allowed_token_ids is not None)
 
 # %% ../notebooks/01_sequence.ipynb #c2f1a7d1
 MAX_N = 16_384   # samples of one prompt: each is a sequence the engine keeps until it ends
-
-
-@patch
-def _check_ranges(self: SamplingParams) -> None:
-    if not 1 <= self.n <= MAX_N:
-        raise ValueError(f"SamplingParams.n must be in [1, {MAX_N:,}], got {self.n} (for more samples, send the "
-                         f"prompt again)")
-    if not self.temperature >= 0 or self.temperature == float("inf"):
-        raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}")
-    if not 0 < self.top_p <= 1:
-        raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-    if not -1 <= self.top_k < 2**63:   # (the sampler holds top_k in an int64 tensor)
-        raise ValueError(f"SamplingParams.top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}")
-    if self.seed is not None and not -2**63 <= self.seed <= 2**64 - self.n:   # torch.Generator.manual_seed's range
-        last = f" (and so must seed + {self.n - 1}, the last sample's)" if self.n > 1 else ""
-        raise ValueError(f"SamplingParams.seed must fit in 64 bits{last}, got {self.seed}")
-    if not 0 <= self.min_p <= 1:
-        raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not -2 <= getattr(self, name) <= 2:
-            raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
-    if not 0 < self.repetition_penalty < float("inf"):
-        raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0 (1: off), "
-                         f"got {self.repetition_penalty}")
-    if self.max_tokens is not None and self.max_tokens < 1:
-        raise ValueError(f"SamplingParams.max_tokens must be at least 1, got {self.max_tokens}")
-    if not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
-        raise ValueError(f"SamplingParams.min_tokens must be >= 0 and at most max_tokens ({self.max_tokens}), "
-                         f"got {self.min_tokens}")
-    for name in ("logprobs", "prompt_logprobs"):
-        if (getattr(self, name) or 0) < 0:
-            raise ValueError(f"SamplingParams.{name} must be >= 0, got {getattr(self, name)}")
-
-
-@patch(as_prop=True)
-def needs_penalties(self: SamplingParams) -> bool:
-    return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
-
-@patch(as_prop=True)
-def changes_logits(self: SamplingParams) -> bool:
-    "Are the logits changed before sampling (penalties, min_tokens, bad words, logit_bias, allowed_token_ids)?"
-    return bool(self.needs_penalties or self.min_tokens or self.bad_words or self.logit_bias
-                or self.allowed_token_ids is not None)
 
 # %% ../notebooks/01_sequence.ipynb #c2f1a7d2
 UNSUPPORTED = {   # vLLM's other fields, with the value that means "not used"

@@ -199,7 +199,7 @@ def _generate_with_shared_prefix(ids, monkeypatch, num_requests: int = 5, max_to
     gave each decode step, the prefix's length, and whether CUDA graphs that read a shared prefix once were recorded
     (None without graphs)."""
     from minivllm.engine.batch_builder import BatchBuilder
-    from minivllm.kernels import cascade
+    from minivllm.kernels import cascade_plan as cascade   # the thresholds use_cascade reads (plain numpy)
     monkeypatch.setattr(cascade, "CASCADE_MIN_PREFIX", 16)
     monkeypatch.setattr(cascade, "CASCADE_MIN_SAVED", 16)
     used, original = [], BatchBuilder.build

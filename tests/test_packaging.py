@@ -2,7 +2,7 @@
 
 `pip install minivllm` brings what the engine needs; the pictures and players of the notebooks (matplotlib,
 ipywidgets) come with the `course` extra, the HTTP server (FastAPI, uvicorn, Prometheus' client) with the `serve`
-extra (project issue 15). A subprocess that makes those imports fail still imports every runtime module (`AsyncLLM`
+extra (project issue 15); fastcore only in the notebooks (issue 47: the modules hold whole classes). A subprocess that makes those imports fail still imports every runtime module (`AsyncLLM`
 included) and generates; the drawing modules and the server stay importable where their libraries are installed.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import minivllm
 
 COURSE_ONLY = ("viz",)   # minivllm.viz, viz_timeline, viz_bench, viz_serving: the drawing modules
-BLOCKED = ("matplotlib", "ipywidgets", "fastapi", "starlette", "uvicorn", "prometheus_client")
+BLOCKED = ("matplotlib", "ipywidgets", "fastapi", "starlette", "uvicorn", "prometheus_client", "fastcore")
 SERVER = {f"minivllm.entrypoints.{m}" for m in ("api_server", "cli", "errors", "metrics", "middleware", "openai_format",
                                                 "protocol")}   # the `serve` extra
 

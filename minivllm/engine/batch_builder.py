@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.cascade import cascade_prefix_len
+from ..kernels.cascade_plan import cascade_prefix_len
 from .scheduler import StepPlan
 from .sequence import Sequence
 from .step_inputs import StepInputs

@@ -9,7 +9,6 @@ from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 import xxhash
-from fastcore.basics import patch
 
 from .sequence import Sequence
 
@@ -102,136 +101,120 @@ class BlockManager:
             del self.hash_to_block_id[block.hash]
             block.hash, block.token_ids = -1, []
 
+    # %% ../../notebooks/02_block_manager.ipynb #0133134a
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        "The chained hashes of the sequence's first `num_blocks` full blocks (computed once each, kept on the sequence)."
+        hashes, bs = seq.block_hashes, self.block_size
+        start, end = len(hashes), min(num_blocks, seq.num_full_blocks)
+        data, width = array("q", seq.token_ids[start * bs:end * bs]).tobytes(), 8 * bs   # the new blocks, in one call
+        for offset in range(0, len(data), width):   # = compute_block_hash(seq.block(i), previous hash), block by block
+            hashes.append(hash_block_bytes(data[offset:offset + width], hashes[-1] if hashes else -1))
+        return hashes
+
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        "The sequence's leading full blocks found in the prefix cache, leaving at least one token to compute."
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+            return PrefixMatch([], 0)   # (a request that wants its prompt's log-probabilities computes every token)
+        bs, tokens = self.block_size, seq.token_ids
+        num_full = (seq.num_tokens - 1) // bs   # the last token is always computed: its logits are needed
+        hashes, hits = self.block_hashes(seq, num_full), []
+        for i, h in enumerate(hashes[:num_full]):
+            block_id = self.hash_to_block_id.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens[i * bs:(i + 1) * bs]:   # (a collision: a miss)
+                break
+            hits.append(block_id)
+        return PrefixMatch(hits, len(hits) * bs)
+
+    # %% ../../notebooks/02_block_manager.ipynb #34b2e3e0
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, match: PrefixMatch | None = None) -> int:
+        "Free blocks `allocate` takes: for tokens past the computed (or `match`ed) ones, and a match's free cache hits."
+        if match is None:   # a running sequence: it holds its blocks
+            return max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table))
+        free_hits = sum(self.blocks[b].ref_count == 0 for b in match.block_ids)
+        return free_hits + -(-(match.num_tokens + num_new_tokens) // self.block_size) - len(match.block_ids)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, match: PrefixMatch | None = None) -> bool:
+        return self.blocks_needed(seq, num_new_tokens, match) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, match: PrefixMatch | None = None) -> None:
+        "Blocks for `num_new_tokens` more tokens; a waiting sequence first takes its cache hits (`match`) as computed."
+        if match is not None:
+            for block_id in match.block_ids:
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    self.free_blocks.remove(block_id)
+                block.ref_count += 1
+            seq.block_table = list(match.block_ids)
+            seq.num_computed_tokens = seq.num_cached_tokens = match.num_tokens
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += match.num_tokens
+        self.reserve(seq, seq.num_computed_tokens + num_new_tokens)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> None:
+        missing = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if missing > self.num_free_blocks:
+            raise RuntimeError(f"out of KV-cache blocks: sequence {seq.seq_id} needs {missing}, "
+                               f"{self.num_free_blocks} are free (check can_allocate first)")
+        for _ in range(missing):
+            block = self.blocks[self.free_blocks.pop()]
+            self._uncache(block)
+            block.ref_count = 1
+            seq.block_table.append(block.block_id)
+
+    # %% ../../notebooks/02_block_manager.ipynb #ef3c56af
+    def commit(self, seq: Sequence, first_block: int, num_tokens: int | None = None) -> None:
+        "Register the full blocks of the first `num_tokens` (computed) tokens, from `first_block` on (no twins)."
+        if not self.enable_prefix_caching:
+            return
+        num_full = (seq.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
+        for i, h in enumerate(self.block_hashes(seq, num_full)[first_block:num_full], first_block):
+            if h not in self.hash_to_block_id:
+                block = self.blocks[seq.block_table[i]]
+                block.hash, block.token_ids = h, seq.block(i)
+                self.hash_to_block_id[h] = block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        "Release the sequence's blocks, tail first, so that shared prefixes stay cached the longest."
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks.push(block_id, cached=block.hash != -1)
+        seq.block_table = []
+
+    def reset_prefix_cache(self) -> int:
+        "Forget the contents of every free block (after a fault). Returns how many cache entries were dropped."
+        dropped = [b for b in self.free_blocks if self.blocks[b].hash != -1]
+        for block_id in dropped:
+            self._uncache(self.blocks[block_id])
+            self.free_blocks.push(block_id, cached=False)
+        return len(dropped)
+
+    # %% ../../notebooks/02_block_manager.ipynb #b3efa3c1
+    def check_invariants(self, seqs: Iterable[Sequence] | None = None) -> None:
+        "Raise RuntimeError if the bookkeeping is inconsistent; with `seqs` (all holders), check the ref counts too."
+        problems = []
+        for block in self.blocks:
+            if block.ref_count < 0 or (block.ref_count == 0) != (block.block_id in self.free_blocks):
+                problems.append(f"block {block.block_id} has ref_count {block.ref_count} but is "
+                                f"{'' if block.block_id in self.free_blocks else 'not '}in the free list")
+            if block.hash != -1 and (self.hash_to_block_id.get(block.hash) != block.block_id
+                                     or len(block.token_ids) != self.block_size):
+                problems.append(f"block {block.block_id} is cached but not registered as such")
+        if len(self.hash_to_block_id) != sum(b.hash != -1 for b in self.blocks):
+            problems.append("the prefix cache names blocks that do not hold its entries")
+        if seqs is not None:
+            holders = Counter(block_id for seq in seqs for block_id in seq.block_table)
+            for block in self.blocks:
+                if holders[block.block_id] != block.ref_count:
+                    problems.append(f"block {block.block_id} has ref_count {block.ref_count} but "
+                                    f"{holders[block.block_id]} block tables hold it")
+        if problems:
+            raise RuntimeError("block manager invariants broken: " + "; ".join(problems[:5]))
+
 # %% ../../notebooks/02_block_manager.ipynb #0133134a
 class PrefixMatch(NamedTuple):
     "What the prefix cache holds of a waiting sequence: computed once when it is considered for admission."
     block_ids: list[int]       # the cached blocks of its leading full blocks, in order
     num_tokens: int            # the tokens they hold
-
-
-@patch
-def block_hashes(self: BlockManager, seq: Sequence, num_blocks: int) -> list[int]:
-    "The chained hashes of the sequence's first `num_blocks` full blocks (computed once each, kept on the sequence)."
-    hashes, bs = seq.block_hashes, self.block_size
-    start, end = len(hashes), min(num_blocks, seq.num_full_blocks)
-    data, width = array("q", seq.token_ids[start * bs:end * bs]).tobytes(), 8 * bs   # the new blocks, in one call
-    for offset in range(0, len(data), width):   # = compute_block_hash(seq.block(i), previous hash), block by block
-        hashes.append(hash_block_bytes(data[offset:offset + width], hashes[-1] if hashes else -1))
-    return hashes
-
-
-@patch
-def match_prefix(self: BlockManager, seq: Sequence) -> PrefixMatch:
-    "The sequence's leading full blocks found in the prefix cache, leaving at least one token to compute."
-    if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
-        return PrefixMatch([], 0)   # (a request that wants its prompt's log-probabilities computes every token)
-    bs, tokens = self.block_size, seq.token_ids
-    num_full = (seq.num_tokens - 1) // bs   # the last token is always computed: its logits are needed
-    hashes, hits = self.block_hashes(seq, num_full), []
-    for i, h in enumerate(hashes[:num_full]):
-        block_id = self.hash_to_block_id.get(h)
-        if block_id is None or self.blocks[block_id].token_ids != tokens[i * bs:(i + 1) * bs]:   # (a collision: a miss)
-            break
-        hits.append(block_id)
-    return PrefixMatch(hits, len(hits) * bs)
-
-# %% ../../notebooks/02_block_manager.ipynb #34b2e3e0
-@patch
-def blocks_needed(self: BlockManager, seq: Sequence, num_new_tokens: int, match: PrefixMatch | None = None) -> int:
-    "Free blocks `allocate` takes: for tokens past the computed (or `match`ed) ones, and a match's free cache hits."
-    if match is None:   # a running sequence: it holds its blocks
-        return max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table))
-    free_hits = sum(self.blocks[b].ref_count == 0 for b in match.block_ids)
-    return free_hits + -(-(match.num_tokens + num_new_tokens) // self.block_size) - len(match.block_ids)
-
-
-@patch
-def can_allocate(self: BlockManager, seq: Sequence, num_new_tokens: int, match: PrefixMatch | None = None) -> bool:
-    return self.blocks_needed(seq, num_new_tokens, match) <= self.num_free_blocks
-
-
-@patch
-def allocate(self: BlockManager, seq: Sequence, num_new_tokens: int, match: PrefixMatch | None = None) -> None:
-    "Blocks for `num_new_tokens` more tokens; a waiting sequence first takes its cache hits (`match`) as computed."
-    if match is not None:
-        for block_id in match.block_ids:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                self.free_blocks.remove(block_id)
-            block.ref_count += 1
-        seq.block_table = list(match.block_ids)
-        seq.num_computed_tokens = seq.num_cached_tokens = match.num_tokens
-        if self.enable_prefix_caching:
-            self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += match.num_tokens
-    self.reserve(seq, seq.num_computed_tokens + num_new_tokens)
-
-
-@patch
-def reserve(self: BlockManager, seq: Sequence, num_tokens: int) -> None:
-    missing = -(-num_tokens // self.block_size) - len(seq.block_table)
-    if missing > self.num_free_blocks:
-        raise RuntimeError(f"out of KV-cache blocks: sequence {seq.seq_id} needs {missing}, "
-                           f"{self.num_free_blocks} are free (check can_allocate first)")
-    for _ in range(missing):
-        block = self.blocks[self.free_blocks.pop()]
-        self._uncache(block)
-        block.ref_count = 1
-        seq.block_table.append(block.block_id)
-
-# %% ../../notebooks/02_block_manager.ipynb #ef3c56af
-@patch
-def commit(self: BlockManager, seq: Sequence, first_block: int, num_tokens: int | None = None) -> None:
-    "Register the full blocks of the first `num_tokens` (computed) tokens, from `first_block` on (no twins)."
-    if not self.enable_prefix_caching:
-        return
-    num_full = (seq.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
-    for i, h in enumerate(self.block_hashes(seq, num_full)[first_block:num_full], first_block):
-        if h not in self.hash_to_block_id:
-            block = self.blocks[seq.block_table[i]]
-            block.hash, block.token_ids = h, seq.block(i)
-            self.hash_to_block_id[h] = block.block_id
-
-
-@patch
-def free(self: BlockManager, seq: Sequence) -> None:
-    "Release the sequence's blocks, tail first, so that shared prefixes stay cached the longest."
-    for block_id in reversed(seq.block_table):
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self.free_blocks.push(block_id, cached=block.hash != -1)
-    seq.block_table = []
-
-
-@patch
-def reset_prefix_cache(self: BlockManager) -> int:
-    "Forget the contents of every free block (after a fault). Returns how many cache entries were dropped."
-    dropped = [b for b in self.free_blocks if self.blocks[b].hash != -1]
-    for block_id in dropped:
-        self._uncache(self.blocks[block_id])
-        self.free_blocks.push(block_id, cached=False)
-    return len(dropped)
-
-# %% ../../notebooks/02_block_manager.ipynb #b3efa3c1
-@patch
-def check_invariants(self: BlockManager, seqs: Iterable[Sequence] | None = None) -> None:
-    "Raise RuntimeError if the bookkeeping is inconsistent; with `seqs` (all holders), check the ref counts too."
-    problems = []
-    for block in self.blocks:
-        if block.ref_count < 0 or (block.ref_count == 0) != (block.block_id in self.free_blocks):
-            problems.append(f"block {block.block_id} has ref_count {block.ref_count} but is "
-                            f"{'' if block.block_id in self.free_blocks else 'not '}in the free list")
-        if block.hash != -1 and (self.hash_to_block_id.get(block.hash) != block.block_id
-                                 or len(block.token_ids) != self.block_size):
-            problems.append(f"block {block.block_id} is cached but not registered as such")
-    if len(self.hash_to_block_id) != sum(b.hash != -1 for b in self.blocks):
-        problems.append("the prefix cache names blocks that do not hold its entries")
-    if seqs is not None:
-        holders = Counter(block_id for seq in seqs for block_id in seq.block_table)
-        for block in self.blocks:
-            if holders[block.block_id] != block.ref_count:
-                problems.append(f"block {block.block_id} has ref_count {block.ref_count} but "
-                                f"{holders[block.block_id]} block tables hold it")
-    if problems:
-        raise RuntimeError("block manager invariants broken: " + "; ".join(problems[:5]))

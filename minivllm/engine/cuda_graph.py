@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.cascade import use_cascade
+from ..kernels.cascade_plan import use_cascade
 from ..layers.attention import AttentionMetadata
 from .step_inputs import DeviceStep, StepInputs, StepSizes, numpy_views, step_nbytes, tensor_views
 

@@ -8,8 +8,6 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from fastcore.basics import patch
-
 from ..config import Config, takes_engine_arguments
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
@@ -105,140 +103,121 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-# %% ../../notebooks/10_llm_engine.ipynb #ad8bc410
-@patch
-def _add(self: LLMEngine, text: str | None, ids: list[int], params: SamplingParams, request_id: str | None = None,
-         stream: bool = False) -> str:
-    "Queue a checked request; n > 1 samples: n requests that share the prompt's cached blocks (vLLM's child ids)."
-    if request_id is None:   # the next free number (a caller's own ids may have taken some)
-        request_id = next(i for i in map(str, self._request_ids) if self._free_id(i, params.n))
-    request_id = str(request_id)
-    if not self._free_id(request_id, params.n):
-        raise ValueError(f"request id {request_id!r} is already in use")
-    if params.n == 1:
-        self._add_one(request_id, text, ids, params, stream)
+    # %% ../../notebooks/10_llm_engine.ipynb #ad8bc410
+    def _add(self, text: str | None, ids: list[int], params: SamplingParams, request_id: str | None = None,
+             stream: bool = False) -> str:
+        "Queue a checked request; n > 1 samples: n requests that share the prompt's cached blocks (vLLM's child ids)."
+        if request_id is None:   # the next free number (a caller's own ids may have taken some)
+            request_id = next(i for i in map(str, self._request_ids) if self._free_id(i, params.n))
+        request_id = str(request_id)
+        if not self._free_id(request_id, params.n):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n == 1:
+            self._add_one(request_id, text, ids, params, stream)
+            return request_id
+        parent = ParentRequest(request_id, [])
+        for i in range(params.n):   # each sample's seed: the request's + its index, as in vLLM
+            child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            child.bad_words_token_ids = params.bad_words_token_ids
+            parent.children.append(self._add_one(f"{i}_{request_id}", text, ids, child, stream, parent, i))
         return request_id
-    parent = ParentRequest(request_id, [])
-    for i in range(params.n):   # each sample's seed: the request's + its index, as in vLLM
-        child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-        child.bad_words_token_ids = params.bad_words_token_ids
-        parent.children.append(self._add_one(f"{i}_{request_id}", text, ids, child, stream, parent, i))
-    return request_id
 
+    def _free_id(self, request_id: str, n: int) -> bool:
+        taken = self.requests.keys() | self.outputs.parents.keys()
+        return request_id not in taken and (n == 1 or not any(f"{i}_{request_id}" in taken for i in range(n)))
 
-@patch
-def _free_id(self: LLMEngine, request_id: str, n: int) -> bool:
-    taken = self.requests.keys() | self.outputs.parents.keys()
-    return request_id not in taken and (n == 1 or not any(f"{i}_{request_id}" in taken for i in range(n)))
+    def _add_one(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+                 stream: bool, parent: ParentRequest | None = None, index: int = 0) -> Request:
+        seq = Sequence(ids, params, self.config.block_size, seq_id=next(self._seq_ids))
+        needs_text = self.tokenizer is not None and (bool(params.stop) or stream)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, ids, **decode_options(params)) if needs_text else None
+        req = Request(request_id, text, seq, RequestMetrics(seq.arrival_time), detokenizer, stream, parent=parent,
+                      index=index, prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids))
+        self.outputs.add(req)
+        self.executor.add_request(seq.seq_id, params, ids)
+        self.scheduler.add(seq)
+        return req
 
-
-@patch
-def _add_one(self: LLMEngine, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
-             stream: bool, parent: ParentRequest | None = None, index: int = 0) -> Request:
-    seq = Sequence(ids, params, self.config.block_size, seq_id=next(self._seq_ids))
-    needs_text = self.tokenizer is not None and (bool(params.stop) or stream)
-    detokenizer = IncrementalDetokenizer(self.tokenizer, ids, **decode_options(params)) if needs_text else None
-    req = Request(request_id, text, seq, RequestMetrics(seq.arrival_time), detokenizer, stream, parent=parent,
-                  index=index, prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids))
-    self.outputs.add(req)
-    self.executor.add_request(seq.seq_id, params, ids)
-    self.scheduler.add(seq)
-    return req
-
-
-@patch
-def abort_request(self: LLMEngine, request_id: str | list[str]) -> None:
-    "End a request (or each of a list, as vLLM takes them) wherever it is; its blocks return to the free list."
-    for req in self.outputs.find([request_id] if isinstance(request_id, str) else list(request_id)):
-        self.outputs.remove(req)
-        self._release(req)
-        self.scheduler.abort(req.seq)
-    self._drop_stale_step()
-
-
-@patch
-def _release(self: LLMEngine, req: Request) -> None:
-    self.executor.free_request(req.seq.seq_id)
-    self.builder.free(req.seq.seq_id)
-
-
-@patch
-def close(self: LLMEngine) -> None:
-    "Abort every request and release the model and the KV cache; the engine cannot run after this."
-    for request_id in list(self.requests):
-        self.abort_request(request_id)
-    self.in_flight = None
-    self.executor.close()
-
-# %% ../../notebooks/10_llm_engine.ipynb #77d404ca
-@patch
-def step(self: LLMEngine) -> list[RequestOutput]:
-    "Launch a planned step (or take the one launched ahead), collect its tokens; the finished and streaming outputs."
-    start, current, self.in_flight = time.perf_counter(), self.in_flight, None
-    try:
-        current = current or self._launch(self.scheduler.schedule())
-        if current is None:
-            return []
-        if self.config.async_scheduling:   # the next decode step goes to the device before this one is collected
-            self.in_flight = self._launch(plan_lookahead(self.scheduler, current.plan))
-        waiting = time.perf_counter()
-        token_ids, logprobs = self.executor.collect(current.handle)
-        now = time.perf_counter()
-        if logprobs is not None and logprobs.prompt:
-            self.outputs.book_prompt(current.plan, logprobs.prompt)
-        finished = self.scheduler.postprocess(current.plan, token_ids)
-        outputs, done = self.outputs.process(current.plan, token_ids, logprobs and logprobs.sampled, finished, now)
-    except BaseException:
-        self.in_flight = None
-        self.executor.synchronize()   # let launched work finish before anything reuses its blocks
-        self.scheduler.recover()
-        raise
-    for req in done:
-        self._release(req)
-    if done:
+    def abort_request(self, request_id: str | list[str]) -> None:
+        "End a request (or each of a list, as vLLM takes them) wherever it is; its blocks return to the free list."
+        for req in self.outputs.find([request_id] if isinstance(request_id, str) else list(request_id)):
+            self.outputs.remove(req)
+            self._release(req)
+            self.scheduler.abort(req.seq)
         self._drop_stale_step()
-    self._count(current.plan, finished, start, now - waiting)
-    return outputs
 
+    def _release(self, req: Request) -> None:
+        self.executor.free_request(req.seq.seq_id)
+        self.builder.free(req.seq.seq_id)
 
-@patch
-def _drop_stale_step(self: LLMEngine) -> None:
-    "A step planned ahead for requests that have all ended since (finished or aborted): collected and dropped."
-    if self.in_flight and all(seq.is_finished for seq in self.in_flight.plan.seqs):
-        self.executor.collect(self.in_flight.handle)
+    def close(self) -> None:
+        "Abort every request and release the model and the KV cache; the engine cannot run after this."
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
         self.in_flight = None
+        self.executor.close()
 
+    # %% ../../notebooks/10_llm_engine.ipynb #77d404ca
+    def step(self) -> list[RequestOutput]:
+        "Launch a planned step (or take the one launched ahead), collect its tokens; the finished and streaming outputs."
+        start, current, self.in_flight = time.perf_counter(), self.in_flight, None
+        try:
+            current = current or self._launch(self.scheduler.schedule())
+            if current is None:
+                return []
+            if self.config.async_scheduling:   # the next decode step goes to the device before this one is collected
+                self.in_flight = self._launch(plan_lookahead(self.scheduler, current.plan))
+            waiting = time.perf_counter()
+            token_ids, logprobs = self.executor.collect(current.handle)
+            now = time.perf_counter()
+            if logprobs is not None and logprobs.prompt:
+                self.outputs.book_prompt(current.plan, logprobs.prompt)
+            finished = self.scheduler.postprocess(current.plan, token_ids)
+            outputs, done = self.outputs.process(current.plan, token_ids, logprobs and logprobs.sampled, finished, now)
+        except BaseException:
+            self.in_flight = None
+            self.executor.synchronize()   # let launched work finish before anything reuses its blocks
+            self.scheduler.recover()
+            raise
+        for req in done:
+            self._release(req)
+        if done:
+            self._drop_stale_step()
+        self._count(current.plan, finished, start, now - waiting)
+        return outputs
 
-@patch
-def _launch(self: LLMEngine, plan: StepPlan | None) -> InFlightStep | None:
-    if not plan:   # nothing planned (ahead), or nothing to run
-        return None
-    self.stats.num_preemptions += len(plan.preempted)
-    if plan.num_prefill_tokens:   # (a sequence is first scheduled for its prompt)
-        now = time.perf_counter()
-        for seq in plan.seqs:
-            metrics = self.outputs.by_seq[seq.seq_id].metrics
-            metrics.first_scheduled_time = metrics.first_scheduled_time or now
-    return InFlightStep(plan, self.executor.launch(self.builder.build(plan)))
+    def _drop_stale_step(self) -> None:
+        "A step planned ahead for requests that have all ended since (finished or aborted): collected and dropped."
+        if self.in_flight and all(seq.is_finished for seq in self.in_flight.plan.seqs):
+            self.executor.collect(self.in_flight.handle)
+            self.in_flight = None
 
-# %% ../../notebooks/10_llm_engine.ipynb #0fad759d
-@patch
-def _count(self: LLMEngine, plan: StepPlan, finished: list[Sequence], start: float, wait: float) -> None:
-    stats, end = self.stats, time.perf_counter()
-    stats.num_steps += 1
-    stats.num_prompt_tokens += plan.num_prefill_tokens
-    stats.num_generated_tokens += len(plan.sampled)
-    if plan.num_prefill_tokens:
-        stats.prefill_time += end - start
-    else:
-        stats.decode_time += end - start
-    if self.trace is not None:
-        self.trace.append(StepRecord.from_step(len(self.trace), plan, finished, self.scheduler,
-                                               start - self._trace_start, end - start, wait))
+    def _launch(self, plan: StepPlan | None) -> InFlightStep | None:
+        if not plan:   # nothing planned (ahead), or nothing to run
+            return None
+        self.stats.num_preemptions += len(plan.preempted)
+        if plan.num_prefill_tokens:   # (a sequence is first scheduled for its prompt)
+            now = time.perf_counter()
+            for seq in plan.seqs:
+                metrics = self.outputs.by_seq[seq.seq_id].metrics
+                metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        return InFlightStep(plan, self.executor.launch(self.builder.build(plan)))
 
+    # %% ../../notebooks/10_llm_engine.ipynb #0fad759d
+    def _count(self, plan: StepPlan, finished: list[Sequence], start: float, wait: float) -> None:
+        stats, end = self.stats, time.perf_counter()
+        stats.num_steps += 1
+        stats.num_prompt_tokens += plan.num_prefill_tokens
+        stats.num_generated_tokens += len(plan.sampled)
+        if plan.num_prefill_tokens:
+            stats.prefill_time += end - start
+        else:
+            stats.decode_time += end - start
+        if self.trace is not None:
+            self.trace.append(StepRecord.from_step(len(self.trace), plan, finished, self.scheduler,
+                                                   start - self._trace_start, end - start, wait))
 
-@patch
-def start_trace(self: LLMEngine) -> list[StepRecord]:
-    "Record every step from now on (`engine.trace`, times in seconds from now); returns the list it fills."
-    self._trace_start, self.trace = time.perf_counter(), []
-    return self.trace
+    def start_trace(self) -> list[StepRecord]:
+        "Record every step from now on (`engine.trace`, times in seconds from now); returns the list it fills."
+        self._trace_start, self.trace = time.perf_counter(), []
+        return self.trace

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from fastcore.basics import patch
 
 from ..config import Config
 from ..distributed.parallel_state import SINGLE, TPGroup, broadcast
@@ -86,96 +85,84 @@ class ModelRunner:
     def free_request(self, seq_id: int) -> None:
         self.sampling.free(seq_id)
 
-# %% ../../notebooks/09_model_runner.ipynb #1053b66b
-@patch
-@torch.inference_mode()
-def execute(self: ModelRunner, step: StepInputs) -> StepHandle:
-    "Queue the forward pass, the sampled rows' logits and (first rank) the sampler, and return at once."
-    input_ids = self._ahead_input_ids(step) if step.ahead else None
-    decode = step.is_decode_only   # (decode graphs: every sequence samples; mixed graphs: the other steps)
-    graphs = self.graphs if decode else self.mixed_graphs
-    graph = graphs is not None and graphs.can_run(step)
-    logits, prompt = (graphs.replay(step, input_ids), None) if graph else self._forward(step, input_ids)
-    if self.tp.rank != 0:   # not the sampling rank
-        return StepHandle()
-    greedy_ids = graphs.greedy_ids[:len(logits)] if graph and logits is not None else None
-    handle = StepHandle() if logits is None else self._sample(logits, step, greedy_ids)   # None: prompt chunks only
-    if prompt is not None:   # prompt log-probabilities: a few rows of prompt steps (never in a graph)
-        handle.prompt_logprobs = gather_logprobs(*prompt, self.sampling.max_prompt_logprobs()).to_host()
-    if self.device.type == "cuda" and (logits is not None or prompt is not None):
-        handle.copied = torch.cuda.current_stream().record_event()
-    return handle
+    # %% ../../notebooks/09_model_runner.ipynb #1053b66b
+    @torch.inference_mode()
+    def execute(self, step: StepInputs) -> StepHandle:
+        "Queue the forward pass, the sampled rows' logits and (first rank) the sampler, and return at once."
+        input_ids = self._ahead_input_ids(step) if step.ahead else None
+        decode = step.is_decode_only   # (decode graphs: every sequence samples; mixed graphs: the other steps)
+        graphs = self.graphs if decode else self.mixed_graphs
+        graph = graphs is not None and graphs.can_run(step)
+        logits, prompt = (graphs.replay(step, input_ids), None) if graph else self._forward(step, input_ids)
+        if self.tp.rank != 0:   # not the sampling rank
+            return StepHandle()
+        greedy_ids = graphs.greedy_ids[:len(logits)] if graph and logits is not None else None
+        handle = StepHandle() if logits is None else self._sample(logits, step, greedy_ids)   # None: prompt chunks only
+        if prompt is not None:   # prompt log-probabilities: a few rows of prompt steps (never in a graph)
+            handle.prompt_logprobs = gather_logprobs(*prompt, self.sampling.max_prompt_logprobs()).to_host()
+        if self.device.type == "cuda" and (logits is not None or prompt is not None):
+            handle.copied = torch.cuda.current_stream().record_event()
+        return handle
 
+    def _sample(self, logits: torch.Tensor, step: StepInputs, greedy_ids: torch.Tensor | None = None
+                ) -> StepHandle:
+        """Sample each row and queue the tokens' copy to the host (and their log-probabilities', when asked);
+        `greedy_ids`: each row's argmax from a graph's replay, the tokens themselves if every row is greedy as it is."""
+        sampling, generators = self.sampling.batch(step.seq_ids)
+        if greedy_ids is not None and sampling.all_greedy and sampling.processors is None:
+            self.last_sampled = greedy_ids   # (overwritten by the next replay, queued after every reader of this one)
+        else:
+            self.last_sampled = self.sampler(logits, sampling, generators, self.sampling.generator)
+        logprobs = None
+        if sampling.max_num_logprobs is not None:   # gathered now, to travel to the host with the tokens
+            logprobs = gather_logprobs(logits, self.last_sampled, sampling.max_num_logprobs).to_host()
+        host_ids = self.last_sampled.to("cpu", non_blocking=True)   # queued behind the sampler, into pinned memory
+        return StepHandle(self.last_sampled, logprobs, sampling, host_ids)
 
-@patch
-def _sample(self: ModelRunner, logits: torch.Tensor, step: StepInputs, greedy_ids: torch.Tensor | None = None
-            ) -> StepHandle:
-    """Sample each row and queue the tokens' copy to the host (and their log-probabilities', when asked);
-    `greedy_ids`: each row's argmax from a graph's replay, the tokens themselves if every row is greedy as it is."""
-    sampling, generators = self.sampling.batch(step.seq_ids)
-    if greedy_ids is not None and sampling.all_greedy and sampling.processors is None:
-        self.last_sampled = greedy_ids   # (overwritten by the next replay, queued after every reader of this one)
-    else:
-        self.last_sampled = self.sampler(logits, sampling, generators, self.sampling.generator)
-    logprobs = None
-    if sampling.max_num_logprobs is not None:   # gathered now, to travel to the host with the tokens
-        logprobs = gather_logprobs(logits, self.last_sampled, sampling.max_num_logprobs).to_host()
-    host_ids = self.last_sampled.to("cpu", non_blocking=True)   # queued behind the sampler, into pinned memory
-    return StepHandle(self.last_sampled, logprobs, sampling, host_ids)
+    def _forward(self, step: StepInputs, input_ids: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Upload and run the model: the logits of the rows that sample (every rank: the LM head gathers), or None;
+        and the logits of the prompt rows whose log-probabilities were asked for, with their next tokens, or None."""
+        x = self.upload(step)
+        hidden = self.model(x.input_ids if input_ids is None else input_ids, x.positions, x.meta)
+        n = step.sizes.num_sampled   # 0: a step of prompt chunks only, nothing to sample
+        logits = None if n == 0 else self.model.compute_logits(hidden if n == len(hidden) else hidden[x.logits_indices])
+        if x.prompt_logits_indices is None:
+            return logits, None
+        return logits, (self.model.compute_logits(hidden[x.prompt_logits_indices]), x.prompt_target_ids)
 
+    def _ahead_input_ids(self, step: StepInputs) -> torch.Tensor:
+        "The input tokens of a step planned ahead: rows of the step before's samples, which rank 0 holds on the device."
+        n = len(step.input_ids)
+        if self.tp.rank == 0:
+            every_row = n == len(self.last_sampled) and step.input_ids[-1] == n - 1
+            ids = self.last_sampled if every_row else self.last_sampled[torch.from_numpy(step.input_ids).to(self.device)]
+        else:
+            ids = torch.empty(n, dtype=torch.int64, device=self.device)
+        return broadcast(ids, self.tp)
 
-@patch
-def _forward(self: ModelRunner, step: StepInputs, input_ids: torch.Tensor | None
-             ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-    """Upload and run the model: the logits of the rows that sample (every rank: the LM head gathers), or None;
-    and the logits of the prompt rows whose log-probabilities were asked for, with their next tokens, or None."""
-    x = self.upload(step)
-    hidden = self.model(x.input_ids if input_ids is None else input_ids, x.positions, x.meta)
-    n = step.sizes.num_sampled   # 0: a step of prompt chunks only, nothing to sample
-    logits = None if n == 0 else self.model.compute_logits(hidden if n == len(hidden) else hidden[x.logits_indices])
-    if x.prompt_logits_indices is None:
-        return logits, None
-    return logits, (self.model.compute_logits(hidden[x.prompt_logits_indices]), x.prompt_target_ids)
+    # %% ../../notebooks/09_model_runner.ipynb #2ab327b1
+    @torch.inference_mode()
+    def collect(self, handle: StepHandle) -> tuple[list[int], StepLogprobs | None]:
+        "The step's sampled tokens (and log-probabilities, where asked for) on the host."
+        if handle.copied is not None:   # the host waits for this step's copy, not for a step launched after it
+            handle.copied.synchronize()
+        token_ids = [] if handle.host_ids is None else handle.host_ids.tolist()
+        sampled = handle.logprobs and handle.logprobs.tolists(handle.sampling.num_logprobs)
+        prompt = handle.prompt_logprobs and handle.prompt_logprobs.rows()
+        return token_ids, None if sampled is None and prompt is None else StepLogprobs(sampled, prompt)
 
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
-@patch
-def _ahead_input_ids(self: ModelRunner, step: StepInputs) -> torch.Tensor:
-    "The input tokens of a step planned ahead: rows of the step before's samples, which rank 0 holds on the device."
-    n = len(step.input_ids)
-    if self.tp.rank == 0:
-        every_row = n == len(self.last_sampled) and step.input_ids[-1] == n - 1
-        ids = self.last_sampled if every_row else self.last_sampled[torch.from_numpy(step.input_ids).to(self.device)]
-    else:
-        ids = torch.empty(n, dtype=torch.int64, device=self.device)
-    return broadcast(ids, self.tp)
-
-# %% ../../notebooks/09_model_runner.ipynb #2ab327b1
-@patch
-@torch.inference_mode()
-def collect(self: ModelRunner, handle: StepHandle) -> tuple[list[int], StepLogprobs | None]:
-    "The step's sampled tokens (and log-probabilities, where asked for) on the host."
-    if handle.copied is not None:   # the host waits for this step's copy, not for a step launched after it
-        handle.copied.synchronize()
-    token_ids = [] if handle.host_ids is None else handle.host_ids.tolist()
-    sampled = handle.logprobs and handle.logprobs.tolists(handle.sampling.num_logprobs)
-    prompt = handle.prompt_logprobs and handle.prompt_logprobs.rows()
-    return token_ids, None if sampled is None and prompt is None else StepLogprobs(sampled, prompt)
-
-
-@patch
-def synchronize(self: ModelRunner) -> None:
-    if self.device.type == "cuda":
-        torch.cuda.synchronize(self.device)
-
-
-@patch
-def close(self: ModelRunner) -> None:
-    self.graphs = self.mixed_graphs = self.kv_cache = self.last_sampled = None
-    if getattr(self, "model", None) is not None:
-        for layer in attention_layers(self.model):
-            layer.k_cache = layer.v_cache = None
-    self.model = None
-    gc.collect()
-    if self.device.type == "cuda":
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
+    def close(self) -> None:
+        self.graphs = self.mixed_graphs = self.kv_cache = self.last_sampled = None
+        if getattr(self, "model", None) is not None:
+            for layer in attention_layers(self.model):
+                layer.k_cache = layer.v_cache = None
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()

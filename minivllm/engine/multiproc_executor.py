@@ -11,8 +11,6 @@ import time
 import weakref
 from multiprocessing.connection import wait
 
-from fastcore.basics import patch
-
 from ..config import Config
 from ..distributed.launch import master_store, set_comm_env, torchrun_env
 from ..sampling_params import SamplingParams
@@ -55,60 +53,56 @@ class Workers:
         for proc in [p for p in self.procs.values() if p.is_alive()]:
             proc.kill()
 
+    # %% ../../notebooks/12_tensor_parallel.ipynb #c40a92d6
+    def _watch(self) -> None:
+        conns = {conn: rank for rank, conn in self.status.items()}
+        sentinels = {proc.sentinel: rank for rank, proc in self.procs.items()}
+        while sentinels:
+            for ready in wait([*conns, *sentinels]):
+                if ready in conns:
+                    self._read(conns, ready)
+                elif ready in sentinels:
+                    rank = sentinels.pop(ready)
+                    conn = self.status[rank]
+                    while conn in conns and conn.poll():   # its last message (an error) comes first
+                        self._read(conns, conn)
+                    conns.pop(conn, None)
+                    if not self.stopping:
+                        self.procs[rank].join(5.0)   # its pipe closes a moment before the exit status is there
+                        when = "unexpectedly" if rank in self.hello else f"before it started; {SPAWN_HINT}"
+                        self._fail(f"tensor-parallel worker rank {rank} {exit_reason(self.procs[rank].exitcode)} {when}")
+
+    def _read(self, conns: dict, conn) -> None:
+        try:
+            kind, rank, *details = conn.recv()
+        except (EOFError, OSError):
+            conns.pop(conn)
+            return
+        if kind == "hello":
+            self.hello.add(rank)
+        else:
+            summary, trace = details
+            self._fail(f"tensor-parallel worker rank {rank} failed: {summary}\n\n--- traceback of rank {rank} ---\n{trace}")
+
+    # %% ../../notebooks/12_tensor_parallel.ipynb #fba6b24a
+    def _fail(self, message: str) -> None:
+        "Record the first failure, then end every rank: none may wait for the failed one."
+        self.failure = message if self.failure is None else self.failure
+        self.kill()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        "Wait for the ranks to exit (after rank 0's stop), kill those that do not, close the pipes."
+        self.stopping = True
+        self.thread.join(timeout)   # the watch thread ends when every rank has exited
+        self.kill()
+        for proc in self.procs.values():
+            proc.join()
+        self.thread.join(5.0)
+        for conn in [self.rpc, *self.status.values()]:
+            conn.close()
+
 # %% auto #0
 __all__ = ['SPAWN_HINT', 'STEP_TIMEOUT', 'exit_reason', 'Workers', 'MultiProcExecutor', 'make_tp_executor']
-
-# %% ../../notebooks/12_tensor_parallel.ipynb #c40a92d6
-@patch
-def _watch(self: Workers) -> None:
-    conns = {conn: rank for rank, conn in self.status.items()}
-    sentinels = {proc.sentinel: rank for rank, proc in self.procs.items()}
-    while sentinels:
-        for ready in wait([*conns, *sentinels]):
-            if ready in conns:
-                self._read(conns, ready)
-            elif ready in sentinels:
-                rank = sentinels.pop(ready)
-                conn = self.status[rank]
-                while conn in conns and conn.poll():   # its last message (an error) comes first
-                    self._read(conns, conn)
-                conns.pop(conn, None)
-                if not self.stopping:
-                    self.procs[rank].join(5.0)   # its pipe closes a moment before the exit status is there
-                    when = "unexpectedly" if rank in self.hello else f"before it started; {SPAWN_HINT}"
-                    self._fail(f"tensor-parallel worker rank {rank} {exit_reason(self.procs[rank].exitcode)} {when}")
-
-@patch
-def _read(self: Workers, conns: dict, conn) -> None:
-    try:
-        kind, rank, *details = conn.recv()
-    except (EOFError, OSError):
-        conns.pop(conn)
-        return
-    if kind == "hello":
-        self.hello.add(rank)
-    else:
-        summary, trace = details
-        self._fail(f"tensor-parallel worker rank {rank} failed: {summary}\n\n--- traceback of rank {rank} ---\n{trace}")
-
-# %% ../../notebooks/12_tensor_parallel.ipynb #fba6b24a
-@patch
-def _fail(self: Workers, message: str) -> None:
-    "Record the first failure, then end every rank: none may wait for the failed one."
-    self.failure = message if self.failure is None else self.failure
-    self.kill()
-
-@patch
-def stop(self: Workers, timeout: float = 30.0) -> None:
-    "Wait for the ranks to exit (after rank 0's stop), kill those that do not, close the pipes."
-    self.stopping = True
-    self.thread.join(timeout)   # the watch thread ends when every rank has exited
-    self.kill()
-    for proc in self.procs.values():
-        proc.join()
-    self.thread.join(5.0)
-    for conn in [self.rpc, *self.status.values()]:
-        conn.close()
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #26c07901
 class MultiProcExecutor:
@@ -158,70 +152,61 @@ class MultiProcExecutor:
             self.closed = True
             self.workers.stop(30.0)
 
-# %% ../../notebooks/12_tensor_parallel.ipynb #20d1cfff
-@patch
-def _send(self: MultiProcExecutor, kind: str, *args, payload=None) -> int:
-    "Send rank 0 one request (numbered: its answer carries the number); Ctrl-C never cuts a message in half."
-    self._check()
-    self.number += 1
-    caught, main = [], threading.current_thread() is threading.main_thread()   # (Python runs signal handlers there)
-    previous = signal.signal(signal.SIGINT, lambda *sig: caught.append(sig)) if main else None
-    try:
-        self.workers.rpc.send((kind, self.number, *args))
-        if payload is not None:
-            self.workers.rpc.send_bytes(payload)
-    except OSError:   # a broken pipe: rank 0 is gone
-        self._lost()
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
-    if caught and callable(previous):
-        previous(*caught[0])   # the Ctrl-C that came while the message was written, now that it is whole
-    return self.number
-
-
-@patch
-def _reply(self: MultiProcExecutor, number: int | None, timeout: float = STEP_TIMEOUT):
-    "Rank 0's answer to request `number` (answers to older requests, left by an interrupted wait, are dropped)."
-    deadline = time.monotonic() + timeout
-    while True:
-        while not self.workers.rpc.poll(0.05):   # never blocked for long: a failure, and Ctrl-C, are seen at once
-            self._check()
-            if time.monotonic() > deadline:
-                self._take_down(f"tensor-parallel rank 0 did not answer within {timeout:.0f} s")
+    # %% ../../notebooks/12_tensor_parallel.ipynb #20d1cfff
+    def _send(self, kind: str, *args, payload=None) -> int:
+        "Send rank 0 one request (numbered: its answer carries the number); Ctrl-C never cuts a message in half."
+        self._check()
+        self.number += 1
+        caught, main = [], threading.current_thread() is threading.main_thread()   # (Python runs signal handlers there)
+        previous = signal.signal(signal.SIGINT, lambda *sig: caught.append(sig)) if main else None
         try:
-            answer = self.workers.rpc.recv()
-        except (EOFError, OSError):
+            self.workers.rpc.send((kind, self.number, *args))
+            if payload is not None:
+                self.workers.rpc.send_bytes(payload)
+        except OSError:   # a broken pipe: rank 0 is gone
             self._lost()
-        if number is None or answer[0] == number:
-            return answer[1]
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(*caught[0])   # the Ctrl-C that came while the message was written, now that it is whole
+        return self.number
 
+    def _reply(self, number: int | None, timeout: float = STEP_TIMEOUT):
+        "Rank 0's answer to request `number` (answers to older requests, left by an interrupted wait, are dropped)."
+        deadline = time.monotonic() + timeout
+        while True:
+            while not self.workers.rpc.poll(0.05):   # never blocked for long: a failure, and Ctrl-C, are seen at once
+                self._check()
+                if time.monotonic() > deadline:
+                    self._take_down(f"tensor-parallel rank 0 did not answer within {timeout:.0f} s")
+            try:
+                answer = self.workers.rpc.recv()
+            except (EOFError, OSError):
+                self._lost()
+            if number is None or answer[0] == number:
+                return answer[1]
 
-@patch
-def _check(self: MultiProcExecutor) -> None:
-    if self.closed:
-        raise RuntimeError("this tensor-parallel engine is closed")
-    if self.down is None and self.workers.failure is not None:
-        self._take_down(self.workers.failure)   # a rank failed since the last call: its own error
-    if self.down is not None:
-        raise RuntimeError(f"the tensor-parallel group is down (make a new LLM); it failed with: {self.down}")
+    def _check(self) -> None:
+        if self.closed:
+            raise RuntimeError("this tensor-parallel engine is closed")
+        if self.down is None and self.workers.failure is not None:
+            self._take_down(self.workers.failure)   # a rank failed since the last call: its own error
+        if self.down is not None:
+            raise RuntimeError(f"the tensor-parallel group is down (make a new LLM); it failed with: {self.down}")
 
+    def _lost(self) -> None:
+        "Rank 0's pipe broke: it died. The watch thread says how, once it has seen the exit."
+        deadline = time.monotonic() + 10.0
+        while self.workers.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._take_down(self.workers.failure or "tensor-parallel rank 0 closed its pipe unexpectedly")
 
-@patch
-def _lost(self: MultiProcExecutor) -> None:
-    "Rank 0's pipe broke: it died. The watch thread says how, once it has seen the exit."
-    deadline = time.monotonic() + 10.0
-    while self.workers.failure is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    self._take_down(self.workers.failure or "tensor-parallel rank 0 closed its pipe unexpectedly")
-
-
-@patch
-def _take_down(self: MultiProcExecutor, failure: str) -> None:
-    self.down = failure
-    self.workers.kill()
-    self.workers.stop(10.0)
-    raise RuntimeError(failure)
+    def _take_down(self, failure: str) -> None:
+        self.down = failure
+        self.workers.kill()
+        self.workers.stop(10.0)
+        raise RuntimeError(failure)
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #9fe67c34
 def make_tp_executor(config: Config):

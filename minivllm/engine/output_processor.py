@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fastcore.basics import patch
-
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..layers.sampler import logprob_dict
 from ..sampling_params import SamplingParams
@@ -181,50 +179,46 @@ class OutputProcessor:
                 done.append(req)
         return outputs, done
 
-# %% ../../notebooks/10_llm_engine.ipynb #7c073244
-@patch
-def _book(self: OutputProcessor, req: Request, token_id: int, logprobs: dict[int, tuple] | None, now: float
-          ) -> RequestOutput | None:
-    "Book one new token of `req`; its output only when it finished or streams (unread outputs would cost dearly)."
-    seq, metrics = req.seq, req.metrics
-    if logprobs is not None:
-        seq.logprobs.append(self.as_logprobs(logprobs))
-        seq.cumulative_logprob += logprobs[token_id][0]
-    metrics.first_token_time = metrics.first_token_time or now
-    metrics.last_token_time, metrics.num_generated_tokens = now, seq.num_completion_tokens
-    if req.detokenizer is not None:
-        new_text, params = req.detokenizer.add([token_id]), seq.sampling_params
-        if new_text and seq.num_completion_tokens > params.min_tokens:   # (no stop string before min_tokens)
-            hit = find_stop(req.detokenizer.text, len(new_text), params.stop)
-        else:
-            hit = None
-        if hit is not None:
-            req.text = req.detokenizer.text[:hit[0] + (len(hit[1]) if params.include_stop_str_in_output else 0)]
-            if seq.is_finished:   # the same token also hit a length limit: the stop string wins, as in vLLM
-                seq.finish_reason, seq.stop_reason = "stop", hit[1]
+    # %% ../../notebooks/10_llm_engine.ipynb #7c073244
+    def _book(self, req: Request, token_id: int, logprobs: dict[int, tuple] | None, now: float
+              ) -> RequestOutput | None:
+        "Book one new token of `req`; its output only when it finished or streams (unread outputs would cost dearly)."
+        seq, metrics = req.seq, req.metrics
+        if logprobs is not None:
+            seq.logprobs.append(self.as_logprobs(logprobs))
+            seq.cumulative_logprob += logprobs[token_id][0]
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.last_token_time, metrics.num_generated_tokens = now, seq.num_completion_tokens
+        if req.detokenizer is not None:
+            new_text, params = req.detokenizer.add([token_id]), seq.sampling_params
+            if new_text and seq.num_completion_tokens > params.min_tokens:   # (no stop string before min_tokens)
+                hit = find_stop(req.detokenizer.text, len(new_text), params.stop)
             else:
-                self.scheduler.finish(seq, "stop", hit[1])
-    if seq.is_finished:
-        metrics.finished_time = now
-        if req.text is None and self.tokenizer is not None:
-            req.text = self.tokenizer.decode(seq.completion_token_ids, **decode_options(seq.sampling_params))
-    return req.output(self.tokenizer) if seq.is_finished or req.stream else None
+                hit = None
+            if hit is not None:
+                req.text = req.detokenizer.text[:hit[0] + (len(hit[1]) if params.include_stop_str_in_output else 0)]
+                if seq.is_finished:   # the same token also hit a length limit: the stop string wins, as in vLLM
+                    seq.finish_reason, seq.stop_reason = "stop", hit[1]
+                else:
+                    self.scheduler.finish(seq, "stop", hit[1])
+        if seq.is_finished:
+            metrics.finished_time = now
+            if req.text is None and self.tokenizer is not None:
+                req.text = self.tokenizer.decode(seq.completion_token_ids, **decode_options(seq.sampling_params))
+        return req.output(self.tokenizer) if seq.is_finished or req.stream else None
 
-# %% ../../notebooks/10_llm_engine.ipynb #7c073245
-@patch
-def as_logprobs(self: OutputProcessor, entries: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
-    "{token id: (logprob, rank)} -> {token id: Logprob}, with each token's text."
-    decode = (lambda t: None) if self.tokenizer is None else (lambda t: self.tokenizer.decode([t]))
-    return {t: Logprob(logprob, rank, decode(t)) for t, (logprob, rank) in entries.items()}
+    # %% ../../notebooks/10_llm_engine.ipynb #7c073245
+    def as_logprobs(self, entries: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        "{token id: (logprob, rank)} -> {token id: Logprob}, with each token's text."
+        decode = (lambda t: None) if self.tokenizer is None else (lambda t: self.tokenizer.decode([t]))
+        return {t: Logprob(logprob, rank, decode(t)) for t, (logprob, rank) in entries.items()}
 
-
-@patch
-def book_prompt(self: OutputProcessor, plan: StepPlan, rows: list[tuple]) -> None:
-    "Book a step's prompt log-probabilities: `rows` in the order `prepare_step` laid them out (before postprocess)."
-    rows = iter(rows)
-    for seq, n in zip(plan.seqs, plan.num_new_tokens):
-        req = self.by_seq.get(seq.seq_id)
-        for position in prompt_logprob_positions(seq, n):
-            row = next(rows)
-            if req is not None:   # (not aborted while the step ran)
-                req.prompt_logprobs[position + 1] = self.as_logprobs(logprob_dict(row, seq.sampling_params.prompt_logprobs))
+    def book_prompt(self, plan: StepPlan, rows: list[tuple]) -> None:
+        "Book a step's prompt log-probabilities: `rows` in the order `prepare_step` laid them out (before postprocess)."
+        rows = iter(rows)
+        for seq, n in zip(plan.seqs, plan.num_new_tokens):
+            req = self.by_seq.get(seq.seq_id)
+            for position in prompt_logprob_positions(seq, n):
+                row = next(rows)
+                if req is not None:   # (not aborted while the step ran)
+                    req.prompt_logprobs[position + 1] = self.as_logprobs(logprob_dict(row, seq.sampling_params.prompt_logprobs))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from fastcore.basics import patch
 
 from ..layers.logits_processors import LogitsProcessors, TokenHistory, build_logits_processors
 from ..layers.sampler import SamplingTensors
@@ -51,29 +50,26 @@ class SamplingCache:
             self._seq_ids, self._batch = seq_ids.copy(), (tensors, rows or None)
         return self._batch
 
+    # %% ../../notebooks/09_model_runner.ipynb #5e67ea26
+    def _processors(self, ids: list[int]) -> LogitsProcessors | None:
+        "The logits processors of the rows of `ids` that change logits; a request's first batch gives it a slot."
+        rows = [row for row, i in enumerate(ids) if i in self.prompts or i in self.slots]
+        if not rows:
+            return None
+        for i in (ids[r] for r in rows if ids[r] in self.prompts):
+            if len(self.slots) == len(self.history or ()):   # every slot taken
+                self._grow()
+            self.slots[i] = slot = min(set(range(len(self.history))) - set(self.slots.values()))
+            self.history.reset(slot, self.prompts.pop(i))
+        return build_logits_processors(rows, [self.params[ids[r]] for r in rows], [self.slots[ids[r]] for r in rows],
+                                       self.history, self.stop_ids)
+
+    def _grow(self) -> None:
+        "Twice the slots (at least 8)."
+        if self.history is None:
+            self.history = TokenHistory(8, self.vocab_size, self.device)
+        else:
+            self.history.grow(2 * len(self.history))
+
 # %% auto #0
 __all__ = ['SamplingCache']
-
-# %% ../../notebooks/09_model_runner.ipynb #5e67ea26
-@patch
-def _processors(self: SamplingCache, ids: list[int]) -> LogitsProcessors | None:
-    "The logits processors of the rows of `ids` that change logits; a request's first batch gives it a slot."
-    rows = [row for row, i in enumerate(ids) if i in self.prompts or i in self.slots]
-    if not rows:
-        return None
-    for i in (ids[r] for r in rows if ids[r] in self.prompts):
-        if len(self.slots) == len(self.history or ()):   # every slot taken
-            self._grow()
-        self.slots[i] = slot = min(set(range(len(self.history))) - set(self.slots.values()))
-        self.history.reset(slot, self.prompts.pop(i))
-    return build_logits_processors(rows, [self.params[ids[r]] for r in rows], [self.slots[ids[r]] for r in rows],
-                                   self.history, self.stop_ids)
-
-
-@patch
-def _grow(self: SamplingCache) -> None:
-    "Twice the slots (at least 8)."
-    if self.history is None:
-        self.history = TokenHistory(8, self.vocab_size, self.device)
-    else:
-        self.history.grow(2 * len(self.history))

@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from fastcore.basics import patch
-
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
 
@@ -114,131 +112,122 @@ class Scheduler:
             self._preempt(self.running.pop())   # (`_preempt`: below)
         self.block_manager.reset_prefix_cache()
 
-# %% ../../notebooks/03_scheduler.ipynb #7c79aebb
-@patch
-def schedule(self: Scheduler) -> StepPlan:
-    "Choose this step's sequences and how many tokens each computes; allocate their blocks."
-    scheduled: list[tuple[Sequence, int]] = []
-    preempted: list[Sequence] = []
-    budget = self.max_num_batched_tokens
-    if self.policy == "mixed":
-        budget = self._schedule_running(budget, scheduled, preempted)
-        if not preempted:
-            self._schedule_waiting(budget, scheduled)
-    else:  # prefill_first: prompt work if there is any, else decodes
-        budget = self._schedule_running(budget, scheduled, preempted, prefill=True)
-        if not preempted:
-            budget = self._schedule_waiting(budget, scheduled)
-        if not scheduled:
-            self._schedule_running(budget, scheduled, preempted, prefill=False)
-    if not scheduled and self.has_unfinished():
-        raise RuntimeError(f"the scheduler could not schedule anything: {self!r}")
-    return StepPlan.of([s for s, _ in scheduled], [n for _, n in scheduled], preempted)
+    # %% ../../notebooks/03_scheduler.ipynb #7c79aebb
+    def schedule(self) -> StepPlan:
+        "Choose this step's sequences and how many tokens each computes; allocate their blocks."
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        if self.policy == "mixed":
+            budget = self._schedule_running(budget, scheduled, preempted)
+            if not preempted:
+                self._schedule_waiting(budget, scheduled)
+        else:  # prefill_first: prompt work if there is any, else decodes
+            budget = self._schedule_running(budget, scheduled, preempted, prefill=True)
+            if not preempted:
+                budget = self._schedule_waiting(budget, scheduled)
+            if not scheduled:
+                self._schedule_running(budget, scheduled, preempted, prefill=False)
+        if not scheduled and self.has_unfinished():
+            raise RuntimeError(f"the scheduler could not schedule anything: {self!r}")
+        return StepPlan.of([s for s, _ in scheduled], [n for _, n in scheduled], preempted)
 
+    def _schedule_running(self, budget: int, scheduled: list, preempted: list,
+                          prefill: bool | None = None) -> int:
+        "Give running sequences their next tokens, in admission order (only prompt work, or only decodes, if asked)."
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            i += 1
+            if prefill is not None and (seq.num_uncomputed_tokens > 1) != prefill:
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n != 1 or seq.num_computed_tokens >= len(seq.block_table) * self.block_size:  # not a decode in a held block
+                if not self._make_room(seq, n, preempted):
+                    break   # seq itself was preempted, and with it every sequence after it
+                self.block_manager.allocate(seq, n)
+            scheduled.append((seq, n))
+            budget -= n
+        return budget
 
-@patch
-def _schedule_running(self: Scheduler, budget: int, scheduled: list, preempted: list,
-                      prefill: bool | None = None) -> int:
-    "Give running sequences their next tokens, in admission order (only prompt work, or only decodes, if asked)."
-    i = 0
-    while i < len(self.running) and budget > 0:
-        seq = self.running[i]
-        i += 1
-        if prefill is not None and (seq.num_uncomputed_tokens > 1) != prefill:
-            continue
-        n = min(seq.num_uncomputed_tokens, budget)
-        if n != 1 or seq.num_computed_tokens >= len(seq.block_table) * self.block_size:  # not a decode in a held block
-            if not self._make_room(seq, n, preempted):
-                break   # seq itself was preempted, and with it every sequence after it
-            self.block_manager.allocate(seq, n)
-        scheduled.append((seq, n))
-        budget -= n
-    return budget
+    # %% ../../notebooks/03_scheduler.ipynb #2d00465e
+    def _make_room(self, seq: Sequence, num_new_tokens: int, preempted: list) -> bool:
+        "Preempt the most recently admitted sequences until `seq` fits; False if `seq` itself had to go."
+        bm = self.block_manager
+        while not bm.can_allocate(seq, num_new_tokens):
+            if len(self.running) == 1:
+                raise RuntimeError(f"sequence {seq.seq_id} needs {bm.blocks_needed(seq, num_new_tokens)} more KV blocks, "
+                                   f"but only {bm.num_free_blocks} of {bm.num_blocks} are free, no other sequence to preempt")
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
 
-# %% ../../notebooks/03_scheduler.ipynb #2d00465e
-@patch
-def _make_room(self: Scheduler, seq: Sequence, num_new_tokens: int, preempted: list) -> bool:
-    "Preempt the most recently admitted sequences until `seq` fits; False if `seq` itself had to go."
-    bm = self.block_manager
-    while not bm.can_allocate(seq, num_new_tokens):
-        if len(self.running) == 1:
-            raise RuntimeError(f"sequence {seq.seq_id} needs {bm.blocks_needed(seq, num_new_tokens)} more KV blocks, "
-                               f"but only {bm.num_free_blocks} of {bm.num_blocks} are free, no other sequence to preempt")
-        victim = self.running.pop()
-        self._preempt(victim)
-        preempted.append(victim)
-        if victim is seq:
-            return False
-    return True
+    def _preempt(self, seq: Sequence) -> None:
+        "Recompute later: free the blocks, forget the computed tokens, wait at the front of the queue."
+        self.block_manager.free(seq)
+        seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
 
+    # %% ../../notebooks/03_scheduler.ipynb #7d10dcbb
+    def _schedule_waiting(self, budget: int, scheduled: list) -> int:
+        "Admit waiting prompts, first come first served, while budget, blocks and max_num_seqs allow."
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            match = bm.match_prefix(seq)   # once per admission, passed along
+            n = seq.num_tokens - match.num_tokens
+            if n > budget and not self.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not bm.can_allocate(seq, n, match):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, n, match)
+            bm.commit(seq, len(match.block_ids), match.num_tokens + n)   # the blocks this step fills: hits from now on
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        return budget
 
-@patch
-def _preempt(self: Scheduler, seq: Sequence) -> None:
-    "Recompute later: free the blocks, forget the computed tokens, wait at the front of the queue."
-    self.block_manager.free(seq)
-    seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
-    seq.num_preemptions += 1
-    self.num_preemptions += 1
-    self.waiting.appendleft(seq)
+    # %% ../../notebooks/03_scheduler.ipynb #fd4e3a02
+    def postprocess(self, plan: StepPlan, token_ids: list[int]) -> list[Sequence]:
+        "After the step: advance the sequences, commit full blocks, append the sampled tokens, stop; returns the finished."
+        finished, sampled, bs, eos, limit = [], iter(token_ids), self.block_size, self.eos_token_ids, self.max_model_len
+        for seq, n, sample in zip(plan.seqs, plan.num_new_tokens, plan.sample):
+            token_id = next(sampled) if sample else None
+            if seq.status is SequenceStatus.FINISHED:   # aborted while the step ran: left as it is
+                continue
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = before + n
+            if (before + n) // bs > before // bs:   # a block filled up
+                self.block_manager.commit(seq, before // bs)
+            if token_id is None:
+                continue
+            seq.token_ids.append(token_id)   # (the hot loop of a decode step: no method calls it can do without)
+            length, stop_ids = len(seq.token_ids), seq.sampling_params.stop_token_ids
+            if length >= seq.max_num_tokens or length >= limit or token_id in eos or token_id in stop_ids:
+                reason, stop_reason = check_stop(seq, token_id, eos, limit)   # (the cheap test above rules most out)
+                if reason is not None:
+                    self.finish(seq, reason, stop_reason)
+                    finished.append(seq)
+        return finished
 
-# %% ../../notebooks/03_scheduler.ipynb #7d10dcbb
-@patch
-def _schedule_waiting(self: Scheduler, budget: int, scheduled: list) -> int:
-    "Admit waiting prompts, first come first served, while budget, blocks and max_num_seqs allow."
-    bm = self.block_manager
-    while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-        seq = self.waiting[0]
-        match = bm.match_prefix(seq)   # once per admission, passed along
-        n = seq.num_tokens - match.num_tokens
-        if n > budget and not self.enable_chunked_prefill:
-            break
-        n = min(n, budget)
-        if not bm.can_allocate(seq, n, match):
-            break
-        self.waiting.popleft()
-        bm.allocate(seq, n, match)
-        bm.commit(seq, len(match.block_ids), match.num_tokens + n)   # the blocks this step fills: hits from now on
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-        scheduled.append((seq, n))
-        budget -= n
-    return budget
-
-# %% ../../notebooks/03_scheduler.ipynb #fd4e3a02
-@patch
-def postprocess(self: Scheduler, plan: StepPlan, token_ids: list[int]) -> list[Sequence]:
-    "After the step: advance the sequences, commit full blocks, append the sampled tokens, stop; returns the finished."
-    finished, sampled, bs, eos, limit = [], iter(token_ids), self.block_size, self.eos_token_ids, self.max_model_len
-    for seq, n, sample in zip(plan.seqs, plan.num_new_tokens, plan.sample):
-        token_id = next(sampled) if sample else None
-        if seq.status is SequenceStatus.FINISHED:   # aborted while the step ran: left as it is
-            continue
-        before = seq.num_computed_tokens
-        seq.num_computed_tokens = before + n
-        if (before + n) // bs > before // bs:   # a block filled up
-            self.block_manager.commit(seq, before // bs)
-        if token_id is None:
-            continue
-        seq.token_ids.append(token_id)   # (the hot loop of a decode step: no method calls it can do without)
-        length, stop_ids = len(seq.token_ids), seq.sampling_params.stop_token_ids
-        if length >= seq.max_num_tokens or length >= limit or token_id in eos or token_id in stop_ids:
-            reason, stop_reason = check_stop(seq, token_id, eos, limit)   # (the cheap test above rules most out)
-            if reason is not None:
-                self.finish(seq, reason, stop_reason)
-                finished.append(seq)
-    return finished
-
-# %% ../../notebooks/03_scheduler.ipynb #bd510ca9
-@patch
-def check_invariants(self: Scheduler) -> None:
-    "Raise RuntimeError if the queues or the block bookkeeping are inconsistent (the tests call it every step)."
-    self.block_manager.check_invariants(self.running)
-    problems = [f"waiting sequence {s.seq_id} holds blocks" for s in self.waiting if s.block_table]
-    problems += [f"running sequence {s.seq_id} is {s.status.name}" for s in self.running
-                 if s.status is not SequenceStatus.RUNNING]
-    problems += [f"sequence {s.seq_id} computed {s.num_computed_tokens} tokens in {len(s.block_table)} blocks"
-                 for s in self.running if s.num_computed_tokens > len(s.block_table) * self.block_size]
-    if len(self.running) > self.max_num_seqs:
-        problems.append(f"{len(self.running)} running sequences > max_num_seqs ({self.max_num_seqs})")
-    if problems:
-        raise RuntimeError("scheduler invariants broken: " + "; ".join(problems[:5]))
+    # %% ../../notebooks/03_scheduler.ipynb #bd510ca9
+    def check_invariants(self) -> None:
+        "Raise RuntimeError if the queues or the block bookkeeping are inconsistent (the tests call it every step)."
+        self.block_manager.check_invariants(self.running)
+        problems = [f"waiting sequence {s.seq_id} holds blocks" for s in self.waiting if s.block_table]
+        problems += [f"running sequence {s.seq_id} is {s.status.name}" for s in self.running
+                     if s.status is not SequenceStatus.RUNNING]
+        problems += [f"sequence {s.seq_id} computed {s.num_computed_tokens} tokens in {len(s.block_table)} blocks"
+                     for s in self.running if s.num_computed_tokens > len(s.block_table) * self.block_size]
+        if len(self.running) > self.max_num_seqs:
+            problems.append(f"{len(self.running)} running sequences > max_num_seqs ({self.max_num_seqs})")
+        if problems:
+            raise RuntimeError("scheduler invariants broken: " + "; ".join(problems[:5]))

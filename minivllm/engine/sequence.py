@@ -8,8 +8,6 @@ import sys
 import time
 from enum import Enum, auto
 
-from fastcore.basics import patch
-
 from ..sampling_params import SamplingParams
 
 
@@ -86,23 +84,19 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
-# %% ../../notebooks/01_sequence.ipynb #ae3dccaa
-@patch(as_prop=True)
-def num_blocks(self: Sequence) -> int:
-    return (len(self.token_ids) + self.block_size - 1) // self.block_size
+    # %% ../../notebooks/01_sequence.ipynb #ae3dccaa
+    @property
+    def num_blocks(self) -> int:
+        return (len(self.token_ids) + self.block_size - 1) // self.block_size
 
+    @property
+    def num_full_blocks(self) -> int:
+        return len(self.token_ids) // self.block_size
 
-@patch(as_prop=True)
-def num_full_blocks(self: Sequence) -> int:
-    return len(self.token_ids) // self.block_size
+    @property
+    def last_block_num_tokens(self) -> int:
+        return len(self.token_ids) - (self.num_blocks - 1) * self.block_size
 
-
-@patch(as_prop=True)
-def last_block_num_tokens(self: Sequence) -> int:
-    return len(self.token_ids) - (self.num_blocks - 1) * self.block_size
-
-
-@patch
-def block(self: Sequence, i: int) -> list[int]:
-    "The token ids of logical block `i`."
-    return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+    def block(self, i: int) -> list[int]:
+        "The token ids of logical block `i`."
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]

@@ -13,8 +13,6 @@ import uuid
 import weakref
 from collections.abc import Callable
 
-from fastcore.basics import patch
-
 from ..engine.llm_engine import LLMEngine, PromptType
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
@@ -148,149 +146,127 @@ class AsyncLLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return dataclasses.replace(self.engine.default_params)
 
+    # %% ../../notebooks/11_serving.ipynb #c2ad79b3
+    def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None) -> RequestOutputStream:
+        """Check and queue one request now (bad input raises here); iterate the result with `async for` to get its
+        outputs as the engine makes them: everything so far (CUMULATIVE, the default), only what is new (DELTA), or the
+        finished output alone (FINAL_ONLY), per `sampling_params.output_kind`."""
+        request_id = uuid.uuid4().hex if request_id is None else str(request_id)
+        checked = self.engine.validate(prompt, sampling_params)
+        kind, head = checked[2].output_kind, RequestOutput(request_id, checked[0], checked[1], [], False)
+        with self.lock:
+            if request_id in self.streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            stream = RequestOutputStream(self, request_id, kind, head, checked[2].n)
+            self.streams[request_id] = stream.token
+            self.routes[stream.token] = (stream.loop, weakref.ref(stream))
+        if not self.is_running:   # (checked after registering: a dying engine thread fails every stream it sees)
+            stream.finished = True
+            self._release(request_id, stream.token)
+            raise EngineDeadError("the engine is not running") from self.error
+        self.commands.put(("add", request_id, checked, kind != RequestOutputKind.FINAL_ONLY, stream.token))
+        return stream
 
-# %% ../../notebooks/11_serving.ipynb #c2ad79b3
-@patch
-def generate(self: AsyncLLM, prompt: PromptType, sampling_params: SamplingParams | None = None,
-             request_id: str | None = None) -> RequestOutputStream:
-    """Check and queue one request now (bad input raises here); iterate the result with `async for` to get its
-    outputs as the engine makes them: everything so far (CUMULATIVE, the default), only what is new (DELTA), or the
-    finished output alone (FINAL_ONLY), per `sampling_params.output_kind`."""
-    request_id = uuid.uuid4().hex if request_id is None else str(request_id)
-    checked = self.engine.validate(prompt, sampling_params)
-    kind, head = checked[2].output_kind, RequestOutput(request_id, checked[0], checked[1], [], False)
-    with self.lock:
-        if request_id in self.streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestOutputStream(self, request_id, kind, head, checked[2].n)
-        self.streams[request_id] = stream.token
-        self.routes[stream.token] = (stream.loop, weakref.ref(stream))
-    if not self.is_running:   # (checked after registering: a dying engine thread fails every stream it sees)
-        stream.finished = True
-        self._release(request_id, stream.token)
-        raise EngineDeadError("the engine is not running") from self.error
-    self.commands.put(("add", request_id, checked, kind != RequestOutputKind.FINAL_ONLY, stream.token))
-    return stream
+    async def abort(self, request_id: str | list[str]) -> None:
+        "End requests by id; a stream still awaited ends with finish_reason 'abort' (a request that ended: nothing)."
+        for i in [request_id] if isinstance(request_id, str) else request_id:
+            if (token := self.streams.get(i)) is not None:
+                self.commands.put(("abort", i, token))
 
+    def _release(self, request_id: str, token: int) -> None:
+        "The stream `token` has ended, closed or gone: its id is free for a new request, and nothing more reaches it."
+        with self.lock:
+            self.routes.pop(token, None)
+            if self.streams.get(request_id) == token:   # (not a later request's stream of the same id)
+                del self.streams[request_id]
 
-@patch
-async def abort(self: AsyncLLM, request_id: str | list[str]) -> None:
-    "End requests by id; a stream still awaited ends with finish_reason 'abort' (a request that ended: nothing)."
-    for i in [request_id] if isinstance(request_id, str) else request_id:
-        if (token := self.streams.get(i)) is not None:
-            self.commands.put(("abort", i, token))
+    # %% ../../notebooks/11_serving.ipynb #64f986f7
+    def _run(self) -> None:
+        "The engine thread: carry out the commands, step while there is work, hand each output to its stream."
+        engine = self.engine
+        try:
+            while self._apply(wait=not engine.has_unfinished_requests()):
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    for hook in self.step_hooks:   # (first: a reader who sees the outputs sees the metrics too)
+                        hook(outputs, time.perf_counter())
+                    self._deliver(outputs)
+        except BaseException as e:   # the engine loop is over: every waiting request learns why
+            self.error = e
+        finally:
+            self.dead = True
+            error = EngineDeadError("the engine was shut down" if self.error is None else
+                                    f"the engine loop failed: {self.error!r}")
+            with self.lock:
+                tokens = list(self.routes)
+            self._send([(token, error) for token in tokens])
 
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        "Hand a step's outputs to the streams that own their requests (a finished request's id is free again)."
+        owners = self.owners
+        tokens = [owners.pop(o.request_id, None) if o.finished else owners.get(o.request_id) for o in outputs]
+        self._send(list(zip(tokens, outputs)))
 
-@patch
-def _release(self: AsyncLLM, request_id: str, token: int) -> None:
-    "The stream `token` has ended, closed or gone: its id is free for a new request, and nothing more reaches it."
-    with self.lock:
-        self.routes.pop(token, None)
-        if self.streams.get(request_id) == token:   # (not a later request's stream of the same id)
-            del self.streams[request_id]
+    def _send(self, items: list[tuple[int | None, RequestOutput | BaseException | str]]) -> None:
+        """(The engine thread) hand each item to the stream of its token, on that stream's event loop: one wake-up of
+        each loop per call. Only weak references leave this thread, so a stream its reader drops goes at once."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for token, item in items:
+            if (route := self.routes.get(token)) is not None:   # (None: closed, dropped or ended)
+                by_loop.setdefault(route[0], []).append((route[1], item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(put_all, batch)
+            except RuntimeError:   # that event loop is closed: nobody waits any more
+                pass
 
+    # %% ../../notebooks/11_serving.ipynb #75042e0e
+    def _apply(self, wait: bool) -> bool:
+        "Carry out every queued command (when idle, first wait up to 0.1 s for one); False once asked to stop."
+        try:
+            command = self.commands.get(timeout=0.1) if wait else self.commands.get_nowait()
+            while command is not None:
+                kind, request_id, *args = command
+                if kind == "add":
+                    self._add(request_id, *args)
+                elif self.owners.get(request_id) == args[0]:   # (else it ended, or the id is a later request's now)
+                    del self.owners[request_id]
+                    self.engine.abort_request(request_id)
+                    self._send([(args[0], ABORTED)])   # (if it is still awaited)
+                command = self.commands.get_nowait()
+            return False
+        except queue.Empty:
+            return True
+
+    def _add(self, request_id: str, checked: tuple, stream: bool, token: int) -> None:
+        try:
+            self.engine._add(*checked, request_id, stream)
+            self.owners[request_id] = token
+        except (ValueError, TypeError) as e:   # (an id in use: a sample's of another request, say)
+            self._send([(token, e)])
+
+    # %% ../../notebooks/11_serving.ipynb #e7aa9027
+    def shutdown(self, timeout: float = 60.0) -> None:
+        "Stop the engine thread (requests still waiting end with EngineDeadError), then free the model. Idempotent."
+        if self.closed:
+            return
+        if self.thread.is_alive():
+            self.commands.put(None)
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                raise RuntimeError(f"the engine thread did not stop within {timeout} s")
+        self.closed = True
+        self.engine.close()
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.shutdown()
 
 # %% ../../notebooks/11_serving.ipynb #64f986f7
-@patch
-def _run(self: AsyncLLM) -> None:
-    "The engine thread: carry out the commands, step while there is work, hand each output to its stream."
-    engine = self.engine
-    try:
-        while self._apply(wait=not engine.has_unfinished_requests()):
-            if engine.has_unfinished_requests():
-                outputs = engine.step()
-                for hook in self.step_hooks:   # (first: a reader who sees the outputs sees the metrics too)
-                    hook(outputs, time.perf_counter())
-                self._deliver(outputs)
-    except BaseException as e:   # the engine loop is over: every waiting request learns why
-        self.error = e
-    finally:
-        self.dead = True
-        error = EngineDeadError("the engine was shut down" if self.error is None else
-                                f"the engine loop failed: {self.error!r}")
-        with self.lock:
-            tokens = list(self.routes)
-        self._send([(token, error) for token in tokens])
-
-
-@patch
-def _deliver(self: AsyncLLM, outputs: list[RequestOutput]) -> None:
-    "Hand a step's outputs to the streams that own their requests (a finished request's id is free again)."
-    owners = self.owners
-    tokens = [owners.pop(o.request_id, None) if o.finished else owners.get(o.request_id) for o in outputs]
-    self._send(list(zip(tokens, outputs)))
-
-
-@patch
-def _send(self: AsyncLLM, items: list[tuple[int | None, RequestOutput | BaseException | str]]) -> None:
-    """(The engine thread) hand each item to the stream of its token, on that stream's event loop: one wake-up of
-    each loop per call. Only weak references leave this thread, so a stream its reader drops goes at once."""
-    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-    for token, item in items:
-        if (route := self.routes.get(token)) is not None:   # (None: closed, dropped or ended)
-            by_loop.setdefault(route[0], []).append((route[1], item))
-    for loop, batch in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(put_all, batch)
-        except RuntimeError:   # that event loop is closed: nobody waits any more
-            pass
-
-
 def put_all(items: list[tuple[weakref.ref, RequestOutput | BaseException | str]]) -> None:
     for ref, out in items:
         if (stream := ref()) is not None:
             stream.push(out)
-
-
-# %% ../../notebooks/11_serving.ipynb #75042e0e
-@patch
-def _apply(self: AsyncLLM, wait: bool) -> bool:
-    "Carry out every queued command (when idle, first wait up to 0.1 s for one); False once asked to stop."
-    try:
-        command = self.commands.get(timeout=0.1) if wait else self.commands.get_nowait()
-        while command is not None:
-            kind, request_id, *args = command
-            if kind == "add":
-                self._add(request_id, *args)
-            elif self.owners.get(request_id) == args[0]:   # (else it ended, or the id is a later request's now)
-                del self.owners[request_id]
-                self.engine.abort_request(request_id)
-                self._send([(args[0], ABORTED)])   # (if it is still awaited)
-            command = self.commands.get_nowait()
-        return False
-    except queue.Empty:
-        return True
-
-
-@patch
-def _add(self: AsyncLLM, request_id: str, checked: tuple, stream: bool, token: int) -> None:
-    try:
-        self.engine._add(*checked, request_id, stream)
-        self.owners[request_id] = token
-    except (ValueError, TypeError) as e:   # (an id in use: a sample's of another request, say)
-        self._send([(token, e)])
-
-
-# %% ../../notebooks/11_serving.ipynb #e7aa9027
-@patch
-def shutdown(self: AsyncLLM, timeout: float = 60.0) -> None:
-    "Stop the engine thread (requests still waiting end with EngineDeadError), then free the model. Idempotent."
-    if self.closed:
-        return
-    if self.thread.is_alive():
-        self.commands.put(None)
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            raise RuntimeError(f"the engine thread did not stop within {timeout} s")
-    self.closed = True
-    self.engine.close()
-
-
-@patch
-async def __aenter__(self: AsyncLLM) -> AsyncLLM:
-    return self
-
-
-@patch
-async def __aexit__(self: AsyncLLM, *exc) -> None:
-    self.shutdown()

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..distributed.parallel_state import SINGLE, TPGroup, all_reduce, divide
-from ..kernels.fused_moe import fused_moe, moe_experts_reference
+from ..kernels.moe_reference import moe_experts_reference
 from .linear import check_shape
 
 
@@ -56,7 +56,9 @@ class FusedMoE(nn.Module):
             param.data[e].narrow(0, 0 if part == "gate_proj" else n, n).copy_(loaded.narrow(0, rank * n, n))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        experts = fused_moe if x.is_cuda else moe_experts_reference   # the Triton kernel (06) on GPUs
+        experts = moe_experts_reference
+        if x.is_cuda:   # the Triton kernel (06) on GPUs, imported only there: a CPU runs without Triton
+            from minivllm.kernels.fused_moe import fused_moe as experts
         return all_reduce(experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids), self.tp)
 
     def extra_repr(self) -> str:
