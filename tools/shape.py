@@ -77,6 +77,9 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "the command line refuses --no-thinking without --chat and prompts with --demo; an empty model path": 3,
     "the engine thread hands outputs to streams through weak references (a stream left with break goes at once, "
     "its id free); a chat template's own error is a ValueError": 5,
+    "issue 46, GGUF files and a real model: models/gguf_loader.py (metadata -> config, llama.cpp's names, tensors "
+    "dequantized one at a time, a Llama's q/k rows un-interleaved, the tokenizer), real_model.py (SmolLM2 fetched "
+    "with pip, checked), is_gguf at the four boundaries, tokenizer=, --tokenizer, the demo on SmolLM2": 270,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code
