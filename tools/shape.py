@@ -80,6 +80,9 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "issue 45, an id free the moment its stream goes: the ids in use and each stream's route (its loop, a weak "
     "reference) kept apart, so the engine thread never holds a stream; _send, _release": 12,
     "issue 52 (part), early launch on by default for steps of one token row (PDL_MAX_ROWS, use_pdl's rows)": 2,
+    "issue 46, GGUF files and a real model: models/gguf_loader.py (metadata -> config, llama.cpp's names, tensors "
+    "dequantized one at a time, a Llama's q/k rows un-interleaved, the tokenizer), real_model.py (SmolLM2 fetched "
+    "with pip, checked), is_gguf at the four boundaries, tokenizer=, --tokenizer, the demo on SmolLM2": 270,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

@@ -8,6 +8,7 @@ import os
 from numbers import Integral
 
 from ..layers.logits_processors import RECENT_TOKENS
+from ..models.gguf_loader import gguf_tokenizer, is_gguf
 from ..sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -16,16 +17,19 @@ _NO_TOKENIZER = "or pass skip_tokenizer_init=True and give prompts as token ids"
 
 
 def load_tokenizer(model: str, vocab_size: int):
-    if not any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
+    if is_gguf(model):   # a GGUF file holds its tokenizer and chat template (notebook 08)
+        tokenizer = gguf_tokenizer(model)
+    elif not any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
         # transformers would make an empty tokenizer from config.json alone, which turns every prompt into []
         raise ValueError(f"no tokenizer in {model!r}: none of {', '.join(TOKENIZER_FILES)} is there; copy the "
                          f"checkpoint's tokenizer files into the folder, {_NO_TOKENIZER}")
-    from transformers import AutoTokenizer   # (imported when needed: it costs seconds)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"cannot load the tokenizer in {model!r} ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                         f"fix its files, {_NO_TOKENIZER}") from None
+    else:
+        from transformers import AutoTokenizer   # (imported when needed: it costs seconds)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"cannot load the tokenizer in {model!r} ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0]}); fix its files, {_NO_TOKENIZER}") from None
     if len(tokenizer) > vocab_size:
         raise ValueError(f"the tokenizer in {model!r} has {len(tokenizer)} tokens, the model only {vocab_size}: "
                          "they do not belong together")

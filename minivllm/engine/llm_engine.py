@@ -64,7 +64,8 @@ class LLMEngine:
     @takes_engine_arguments
     def __init__(self, model: str, **kwargs):
         self.config = c = Config.from_kwargs(model, **kwargs)
-        self.tokenizer = None if c.skip_tokenizer_init else load_tokenizer(c.model, c.hf_config.vocab_size)
+        tokenizer_path = c.tokenizer or c.model   # (a folder, or the GGUF file itself)
+        self.tokenizer = None if c.skip_tokenizer_init else load_tokenizer(tokenizer_path, c.hf_config.vocab_size)
         self.executor = make_executor(c)
         try:   # from here on a failure must not keep the model's memory (a notebook keeps the traceback alive)
             self.scheduler = Scheduler(self.executor.num_blocks, c.block_size, c.max_num_seqs,

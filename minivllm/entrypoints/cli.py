@@ -14,7 +14,8 @@ from .async_llm import AsyncLLM
 ENGINE_FLAGS = (("--device", str, "auto"), ("--dtype", str, "auto"), ("--max-model-len", int, None),
                 ("--max-num-seqs", int, None), ("--max-num-batched-tokens", int, None),
                 ("--gpu-memory-utilization", float, None), ("--tensor-parallel-size", int, None),
-                ("--block-size", int, None), ("--seed", int, None), ("--generation-config", str, None))
+                ("--block-size", int, None), ("--seed", int, None), ("--generation-config", str, None),
+                ("--tokenizer", str, None))
 
 
 def int_in(low: int, high: int | None = None):
@@ -29,7 +30,7 @@ def int_in(low: int, high: int | None = None):
 
 def parse_serve_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="minivllm serve", description="An OpenAI-compatible server over one model.")
-    ap.add_argument("model", help="a checkpoint folder or a Hugging Face id")
+    ap.add_argument("model", help="a checkpoint folder, a GGUF file or a Hugging Face id")
     ap.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     ap.add_argument("--port", type=int_in(0, 65535), default=8000)
     ap.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY"),

@@ -6,15 +6,17 @@ from __future__ import annotations
 import os
 import re
 
+from .gguf_loader import is_gguf
+
 # What the engine reads from a checkpoint: its configs, weights and tokenizer (not the PyTorch .bin or GGUF copies)
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "vocab.*", "merges.txt", "*.jinja"]
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
 def resolve_model(model: str) -> str:
-    """The folder of `model`: `model` itself when it is a folder (or no Hub id), else the snapshot of the Hugging Face
+    """The folder of `model`: `model` itself when it is a folder (or a GGUF file, or no Hub id), else the snapshot of the Hugging Face
     Hub repository `model`, from the local cache when it is there, else downloaded once (HF_HUB_OFFLINE: cache only)."""
-    if os.path.isdir(model) or not _REPO_ID.match(model):
+    if os.path.isdir(model) or is_gguf(model) or not _REPO_ID.match(model):
         return model
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError

@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from ..layers.linear import check_shape
+from .gguf_loader import gguf_weights, is_gguf
 
 
 def safetensors_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -89,6 +90,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
 
 
 def load_model(model: nn.Module, path: str | Path, mapping: dict[str, tuple[str, str | int]]) -> nn.Module:
+    "Fill `model` from a folder of safetensors, or from a GGUF file dequantized to its dtype (section 9)."
+    if is_gguf(path):
+        return load_weights(model, gguf_weights(path, next(model.parameters()).dtype), mapping)
     return load_weights(model, safetensors_weights(path), mapping)
 
 # %% ../../notebooks/08_qwen3.ipynb #393453d5

@@ -13,6 +13,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..distributed.parallel_state import SINGLE, TPGroup
+from .gguf_loader import gguf_config, is_gguf
 from .llama import LlamaForCausalLM
 from .loader import dummy_weights_, load_model
 from .qwen2 import Qwen2ForCausalLM
@@ -49,6 +50,8 @@ __all__ = ['MODEL_REGISTRY', 'ModelSpec', 'model_spec', 'load_config', 'build_mo
 # %% ../../notebooks/08_qwen3.ipynb #7fc6d483
 def load_config(path: str | Path) -> PretrainedConfig:
     "The Hugging Face config of the model folder `path`; a ValueError unless the registry knows its model type."
+    if is_gguf(path):   # one file: the config is its metadata (section 9)
+        return gguf_config(path)
     folder = Path(path)
     if not str(path) or not folder.is_dir():   # ('' would be the working directory)
         raise ValueError(f"model path {str(path)!r} is not a folder")
