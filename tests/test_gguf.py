@@ -321,6 +321,7 @@ def test_smollm2_generates_transformers_greedy_tokens(smollm2, reference):
     params = SamplingParams(temperature=0, max_tokens=64)
     with LLM(smollm2, max_model_len=512) as llm:
         outs = llm.generate(PROMPTS, params, use_tqdm=False) + llm.chat(chats, params, use_tqdm=False)
+        assert llm.get_tokenizer().eos_token == "<|im_end|>"   # (transformers' conversion says <|im_start|>)
     assert len(outs) == 6
     for text, out in zip(texts, outs):
         ids = tokenizer(text, return_tensors="pt").input_ids
