@@ -60,7 +60,7 @@ def resolve_dtype(dtype: str, device: str, hf_config: PretrainedConfig) -> torch
 def check_types(cfg) -> None:
     "TypeErrors for fields of the wrong type (a `max_num_seqs='8'` from a command line, say)."
     if not isinstance(cfg.model, (str, os.PathLike)):
-        raise TypeError(f"model must be the path of a checkpoint folder or a Hub id, got {type(cfg.model).__name__}")
+        raise TypeError(f"model must be a checkpoint folder, a GGUF file or a Hub id, got {type(cfg.model).__name__}")
     if cfg.tokenizer is not None and not isinstance(cfg.tokenizer, (str, os.PathLike)):
         raise TypeError(f"tokenizer must be None, a folder or a Hub id, got {type(cfg.tokenizer).__name__}")
     optional = ("max_model_len", "num_kvcache_blocks")

@@ -218,6 +218,9 @@ def test_what_minivllm_cannot_run_is_refused_by_name(tmp_path):
              "cannot read .* as a GGUF file": tmp_path / "garbage.gguf",
              "is not a file": tmp_path / "nowhere.gguf"}
     (tmp_path / "garbage.gguf").write_bytes(b"GGUF" + bytes(range(200)))
+    whole = write_gguf(tmp_path / "whole.gguf", config, tensors, "Q8_0").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(whole[:len(whole) // 2])   # (a download cut short)
+    cases["cannot read .*cut.gguf' as a GGUF file .*cannot reshape"] = tmp_path / "cut.gguf"
     for message, path in cases.items():
         with pytest.raises(ValueError, match=message):
             load_config(path)
@@ -321,6 +324,7 @@ def test_smollm2_generates_transformers_greedy_tokens(smollm2, reference):
     params = SamplingParams(temperature=0, max_tokens=64)
     with LLM(smollm2, max_model_len=512) as llm:
         outs = llm.generate(PROMPTS, params, use_tqdm=False) + llm.chat(chats, params, use_tqdm=False)
+        assert llm.get_tokenizer().eos_token == "<|im_end|>"   # (transformers' conversion says <|im_start|>)
     assert len(outs) == 6
     for text, out in zip(texts, outs):
         ids = tokenizer(text, return_tensors="pt").input_ids
