@@ -80,6 +80,10 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "issue 45, an id free the moment its stream goes: the ids in use and each stream's route (its loop, a weak "
     "reference) kept apart, so the engine thread never holds a stream; _send, _release": 12,
     "issue 52 (part), early launch on by default for steps of one token row (PDL_MAX_ROWS, use_pdl's rows)": 2,
+    "issue 49, the server as real clients use it: echo and prompt_logprobs (lm-eval's loglikelihood), unknown fields "
+    "ignored with a warning and REFUSED ones named, continuous_usage_stats, chat content as text parts, vLLM's v1 "
+    "metric names (Twin aliases, success, phases, sizes, prefix cache) and gauges updated on abort, /tokenize, "
+    "/detokenize, /version, /v1/models/{id}, max_tokens that cannot fit: 400": 162,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

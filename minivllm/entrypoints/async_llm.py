@@ -234,6 +234,8 @@ class AsyncLLM:
                     del self.owners[request_id]
                     self.engine.abort_request(request_id)
                     self._send([(args[0], ABORTED)])   # (if it is still awaited)
+                    for hook in self.step_hooks:   # (the metrics' gauges drop now, not after some later step)
+                        hook([], time.perf_counter())
                 command = self.commands.get_nowait()
             return False
         except queue.Empty:
