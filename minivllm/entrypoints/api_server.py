@@ -158,8 +158,8 @@ async def completions(body: CompletionRequest, request: Request):
     warn_ignored(body)
     if body.max_tokens == 0 and not body.echo:
         raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt scored, nothing generated)")
-    if body.stream and (body.echo or body.prompt_logprobs is not None):
-        raise APIError(400, "echo and prompt_logprobs are not supported with stream=true yet")
+    if body.stream and body.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs is not supported with stream=true yet (echo with logprobs is)")
     if body.echo and llm.tokenizer is None:
         raise APIError(400, "echo needs a tokenizer (the engine was started without one)")
     prompt_logprobs = body.logprobs if body.echo and body.prompt_logprobs is None else body.prompt_logprobs
@@ -168,15 +168,16 @@ async def completions(body: CompletionRequest, request: Request):
     streams = submit(request, body.model, as_prompt_list(body.prompt), params, "cmpl")
     head = {"id": streams[0].request_id.rsplit("-", 1)[0], "created": int(time.time()),
             "model": request.app.state.model_name}
+    decode, logprobs = getattr(llm.tokenizer, "decode", None), body.logprobs is not None
+    echo = None if not body.echo else (   # (each choice's prompt before it; in a stream, in its first chunk)
+        lambda index, c, out: echo_choice(index, c, out, decode, body.max_tokens != 0, logprobs))
     if body.stream:
-        return sse(completion_chunks(streams, head, params.n, body.include_usage, body.continuous_usage))
+        return sse(completion_chunks(streams, head, params.n, body.include_usage, body.continuous_usage, echo))
     finals = await until_disconnected(request, streams)
     if finals is None:
         return Response(status_code=499)   # (nginx's "client closed request": nobody reads it)
-    decode, logprobs = getattr(llm.tokenizer, "decode", None), body.logprobs is not None
-    choices = [(echo_choice(i * params.n + c.index, c, out, decode, body.max_tokens != 0, logprobs) if body.echo
-                else completion_choice(i * params.n + c.index, c)) | {
-                    "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
+    choices = [(echo(i * params.n + c.index, c, out) if echo else completion_choice(i * params.n + c.index, c))
+               | {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
                for i, out in enumerate(finals) for c in out.outputs]
     return {**head, "object": "text_completion", "choices": choices, "usage": usage(finals)}
 

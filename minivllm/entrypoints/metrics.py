@@ -15,7 +15,7 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 
 
 class Twin:
-    "A metric under vLLM's name (`vllm:`, labelled with the model's name) and its old `minivllm:` alias, updated together."
+    "A metric under vLLM's name (`vllm:`, labelled with the model's name) and its old `minivllm:` alias, in step."
 
     def __init__(self, kind, name: str, doc: str, model_name: str, registry: CollectorRegistry, **kwargs):
         self.both = (kind("vllm:" + name, doc, ["model_name"], registry=registry, **kwargs).labels(model_name),

@@ -134,19 +134,22 @@ async def merge_streams(streams: list[RequestOutputStream]) -> AsyncIterator[tup
 
 # %% ../../notebooks/11_serving.ipynb #efddd918
 async def completion_chunks(streams: list[RequestOutputStream], head: dict, n: int, include_usage: bool,
-                            continuous: bool = False) -> AsyncIterator[dict]:
-    "Chunks of completions; with `continuous` (vLLM's continuous_usage_stats), each chunk has its choice's usage."
+                            continuous: bool = False, echo=None) -> AsyncIterator[dict]:
+    """Chunks of completions; with `continuous` (vLLM's continuous_usage_stats), each chunk has its choice's usage;
+    with `echo` (a function of index, output, request output), each choice's first chunk is its echo_choice."""
     sent, prompts, tokens = {}, {}, {}   # per choice: characters sent (for text_offset), tokens; prompt lengths
     async for i, out in merge_streams(streams):
         prompts[i] = len(out.prompt_token_ids) or prompts.get(i, 0)
         for c in out.outputs:
             index = i * n + c.index
             tokens[index] = tokens.get(index, 0) + len(c.token_ids)
-            chunk = {**head, "object": "text_completion", "choices": [completion_choice(index, c, sent.get(index, 0))]}
+            first = echo is not None and index not in sent
+            choice = echo(index, c, out) if first else completion_choice(index, c, sent.get(index, 0))
+            chunk = {**head, "object": "text_completion", "choices": [choice]}
             if continuous:
                 chunk["usage"] = token_counts(prompts[i], tokens[index])
             yield chunk
-            sent[index] = sent.get(index, 0) + len(c.text)
+            sent[index] = sent.get(index, 0) + len(choice["text"])
     if include_usage:
         yield {**head, "object": "text_completion", "choices": [],
                "usage": token_counts(sum(prompts.values()), sum(tokens.values()))}
