@@ -377,7 +377,7 @@ def test_max_tokens_beyond_the_context_is_400_naming_both_numbers(http, server):
     error = assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages,
                                                                   "max_completion_tokens": limit}), 400)
     assert f"{limit} >" in error["message"]
-    wait_idle(server.llm)
+    assert engine_idle(server.llm)   # checked before anything was queued
     out = complete(http, prompt=prompt, max_tokens=2, temperature=0)   # what fits runs
     assert out["usage"]["completion_tokens"] == 2
 

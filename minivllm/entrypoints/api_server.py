@@ -114,8 +114,8 @@ def submit(request: Request, model: str | None, prompts: list, params, prefix: s
     request_id, streams = f"{prefix}-{uuid.uuid4().hex}", []
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(llm.generate(prompt, params, f"{request_id}-{i}"))
-        fits(streams, params.max_tokens, llm.engine.config.max_model_len)
+            streams.append(llm.generate(prompt, params, f"{request_id}-{i}", check=lambda ids: fits(
+                len(ids), params.max_tokens, llm.engine.config.max_model_len)))
     except BaseException:
         for stream in streams:
             stream.close()
@@ -123,14 +123,12 @@ def submit(request: Request, model: str | None, prompts: list, params, prefix: s
     return streams
 
 
-def fits(streams: list[RequestOutputStream], max_tokens: int | None, max_model_len: int) -> None:
+def fits(prompt: int, max_tokens: int | None, max_model_len: int) -> None:
     "A max_tokens that cannot fit beside a prompt in the context: 400 naming both numbers (vLLM's check)."
-    for stream in streams:
-        prompt = len(stream.last.prompt_token_ids)
-        if max_tokens is not None and prompt + max_tokens > max_model_len:
-            raise APIError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
-                           f"maximum context length is {max_model_len} tokens and your request has {prompt} input "
-                           f"tokens ({max_tokens} > {max_model_len} - {prompt})", ERROR_KINDS[400])
+    if max_tokens is not None and prompt + max_tokens > max_model_len:
+        raise APIError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+                       f"maximum context length is {max_model_len} tokens and your request has {prompt} input "
+                       f"tokens ({max_tokens} > {max_model_len} - {prompt})", ERROR_KINDS[400])
 
 # %% ../../notebooks/11_serving.ipynb #51bff0e1
 async def until_disconnected(request: Request, streams: list[RequestOutputStream]) -> list[RequestOutput] | None:
