@@ -374,7 +374,7 @@ def test_invalid_json_is_400(http):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("route,extra,field", [
-    ("/v1/completions", {"tools": []}, "tools"),
+    ("/v1/completions", {"tools": [{"type": "function"}]}, "tools"),   # (refused by name: structured output)
     ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
     ("/v1/completions", {"max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"temperature": -1}, "temperature"),
@@ -441,7 +441,8 @@ def test_openai_client_raises_the_matching_errors(client):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
     with pytest.raises(openai.BadRequestError, match="tools"):
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"tools": []})
+        client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                       extra_body={"tools": [{"type": "function", "function": {"name": "f"}}]})
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x")
 

@@ -83,6 +83,11 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "issue 46, GGUF files and a real model: models/gguf_loader.py (metadata -> config, llama.cpp's names, tensors "
     "dequantized one at a time, a Llama's q/k rows un-interleaved, the tokenizer), real_model.py (SmolLM2 fetched "
     "with pip, checked), is_gguf at the four boundaries, tokenizer=, --tokenizer, the demo on SmolLM2": 270,
+    "issue 49, the server as real clients use it: echo and prompt_logprobs (lm-eval's loglikelihood), unknown fields "
+    "ignored with a warning and REFUSED ones named, continuous_usage_stats, chat content as text parts, vLLM's v1 "
+    "metric names (Twin aliases, success, phases, sizes, prefix cache) and gauges updated on abort, /tokenize, "
+    "/detokenize, /version, /v1/models/{id}, max_tokens that cannot fit: 400 (AsyncLLM.generate's check, so "
+    "nothing is queued); echo streamed": 168,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
 COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code

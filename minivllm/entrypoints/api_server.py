@@ -19,19 +19,22 @@ from .async_llm import AsyncLLM, RequestOutputStream
 from .errors import ERROR_KINDS, APIError, add_error_handlers
 from .metrics import EngineMetrics
 from .middleware import APIKeyCheck, BodyLimit
-from .openai_format import (chat_chunks, chat_logprobs, completion_choice, completion_chunks, sse, usage)
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .openai_format import (chat_chunks, chat_logprobs, completion_choice, completion_chunks,
+                                                echo_choice, prompt_logprobs_json, sse, usage)
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                           TokenizeRequest, ignored_fields, logger)
 
 
 def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_waiting_requests: int = 1024,
               max_request_bytes: int = 1 << 20, shutdown_engine: bool = False) -> FastAPI:
-    """The OpenAI-compatible app over `llm`: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
+    """The OpenAI-compatible app over `llm`: /v1/models (and /v1/models/{id}), /v1/completions, /v1/chat/completions,
+    /tokenize, /detokenize, /version, /health, /metrics.
     With `shutdown_engine`, the server's shutdown (SIGTERM, Ctrl-C) also shuts the engine down."""
     app = FastAPI(title="minivllm", version=__version__, lifespan=lifespan)
     app.state.llm, app.state.model_name, app.state.max_waiting = llm, model_name, max_waiting_requests
     app.state.shutdown_engine = shutdown_engine
     app.state.registry = CollectorRegistry()
-    app.state.metrics = EngineMetrics(llm, app.state.registry)
+    app.state.metrics = EngineMetrics(llm, app.state.registry, model_name)
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if api_key:
@@ -51,12 +54,17 @@ def add_routes(app: FastAPI) -> None:
     app.get("/health")(health)
     app.get("/metrics")(metrics)
     app.get("/v1/models")(models)
+    app.get("/v1/models/{model_id:path}")(model)
+    app.get("/version")(version)
+    app.post("/tokenize")(tokenize)
+    app.post("/detokenize")(detokenize)
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat_completions)
 
 # %% auto #0
-__all__ = ['build_app', 'lifespan', 'add_routes', 'health', 'metrics', 'models', 'submit', 'until_disconnected', 'completions',
-           'chat_completions']
+__all__ = ['build_app', 'lifespan', 'add_routes', 'health', 'metrics', 'models', 'model', 'model_card', 'check_model', 'submit',
+           'fits', 'until_disconnected', 'completions', 'warn_ignored', 'chat_completions', 'render_chat', 'tokenize',
+           'detokenize', 'version']
 
 # %% ../../notebooks/11_serving.ipynb #782073b8
 async def health(request: Request):
@@ -69,18 +77,30 @@ async def metrics(request: Request):
 
 
 async def models(request: Request):
-    state = request.app.state
-    card = {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "minivllm",
+    return {"object": "list", "data": [model_card(request.app.state)]}
+
+
+async def model(model_id: str, request: Request):
+    "GET /v1/models/{id}: the served model's card, or 404."
+    check_model(request.app.state, model_id)
+    return model_card(request.app.state)
+
+
+def model_card(state) -> dict:
+    return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "minivllm",
             "root": state.llm.engine.config.model, "max_model_len": state.llm.engine.config.max_model_len}
-    return {"object": "list", "data": [card]}
+
+
+def check_model(state, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"the model {model!r} does not exist (this server has {state.model_name!r})",
+                       ERROR_KINDS[404])
 
 
 def submit(request: Request, model: str | None, prompts: list, params, prefix: str) -> list[RequestOutputStream]:
     "Check the model and the room in the queue, then queue every prompt (a bad one: 400, the others are aborted)."
     state = request.app.state
-    if model is not None and model != state.model_name:
-        raise APIError(404, f"the model {model!r} does not exist (this server has {state.model_name!r})",
-                       ERROR_KINDS[404])
+    check_model(state, model)
     if not prompts:
         raise APIError(400, "no prompt given", ERROR_KINDS[400])
     llm: AsyncLLM = state.llm
@@ -94,12 +114,21 @@ def submit(request: Request, model: str | None, prompts: list, params, prefix: s
     request_id, streams = f"{prefix}-{uuid.uuid4().hex}", []
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(llm.generate(prompt, params, f"{request_id}-{i}"))
+            streams.append(llm.generate(prompt, params, f"{request_id}-{i}", check=lambda ids: fits(
+                len(ids), params.max_tokens, llm.engine.config.max_model_len)))
     except BaseException:
         for stream in streams:
             stream.close()
         raise
     return streams
+
+
+def fits(prompt: int, max_tokens: int | None, max_model_len: int) -> None:
+    "A max_tokens that cannot fit beside a prompt in the context: 400 naming both numbers (vLLM's check)."
+    if max_tokens is not None and prompt + max_tokens > max_model_len:
+        raise APIError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+                       f"maximum context length is {max_model_len} tokens and your request has {prompt} input "
+                       f"tokens ({max_tokens} > {max_model_len} - {prompt})", ERROR_KINDS[400])
 
 # %% ../../notebooks/11_serving.ipynb #51bff0e1
 async def until_disconnected(request: Request, streams: list[RequestOutputStream]) -> list[RequestOutput] | None:
@@ -124,41 +153,52 @@ async def until_disconnected(request: Request, streams: list[RequestOutputStream
 
 async def completions(body: CompletionRequest, request: Request):
     llm: AsyncLLM = request.app.state.llm
-    prompts = as_prompt_list(body.prompt)
-    params = body.sampling_params(llm.engine.default_params, body.max_tokens, body.logprobs)
-    streams = submit(request, body.model, prompts, params, "cmpl")
+    warn_ignored(body)
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt scored, nothing generated)")
+    if body.stream and body.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs is not supported with stream=true yet (echo with logprobs is)")
+    if body.echo and llm.tokenizer is None:
+        raise APIError(400, "echo needs a tokenizer (the engine was started without one)")
+    prompt_logprobs = body.logprobs if body.echo and body.prompt_logprobs is None else body.prompt_logprobs
+    max_tokens = 1 if body.max_tokens == 0 else body.max_tokens   # (vLLM's way: one token made, not returned)
+    params = body.sampling_params(llm.engine.default_params, max_tokens, body.logprobs, prompt_logprobs)
+    streams = submit(request, body.model, as_prompt_list(body.prompt), params, "cmpl")
     head = {"id": streams[0].request_id.rsplit("-", 1)[0], "created": int(time.time()),
             "model": request.app.state.model_name}
+    decode, logprobs = getattr(llm.tokenizer, "decode", None), body.logprobs is not None
+    echo = None if not body.echo else (   # (each choice's prompt before it; in a stream, in its first chunk)
+        lambda index, c, out: echo_choice(index, c, out, decode, body.max_tokens != 0, logprobs))
     if body.stream:
-        return sse(completion_chunks(streams, head, params.n, body.include_usage))
+        return sse(completion_chunks(streams, head, params.n, body.include_usage, body.continuous_usage, echo))
     finals = await until_disconnected(request, streams)
     if finals is None:
         return Response(status_code=499)   # (nginx's "client closed request": nobody reads it)
-    choices = [completion_choice(i * params.n + c.index, c) for i, out in enumerate(finals) for c in out.outputs]
+    choices = [(echo(i * params.n + c.index, c, out) if echo else completion_choice(i * params.n + c.index, c))
+               | {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
+               for i, out in enumerate(finals) for c in out.outputs]
     return {**head, "object": "text_completion", "choices": choices, "usage": usage(finals)}
+
+
+def warn_ignored(body) -> None:
+    "Fields the server does not know are ignored, with a warning in its log (vLLM's way); REFUSED ones: 400."
+    if ignored := ignored_fields(body):
+        logger.warning("The following fields were present in the request but ignored: %s", ignored)
+
 
 # %% ../../notebooks/11_serving.ipynb #e66dc06d
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     llm: AsyncLLM = request.app.state.llm
+    warn_ignored(body)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", ERROR_KINDS[400])
-    if llm.tokenizer is None:
-        raise APIError(400, "chat needs a tokenizer (the engine was started without one)", ERROR_KINDS[400])
-    if "chat_template" in (body.chat_template_kwargs or {}):   # (its loops would run on the server's event loop)
-        raise APIError(400, "chat_template_kwargs may not hold a chat_template: this server runs only its model's",
-                       ERROR_KINDS[400])
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    try:
-        prompt = llm.tokenizer.apply_chat_template(messages, tokenize=False, **(body.chat_template_kwargs or {}),
-                                                   add_generation_prompt=body.add_generation_prompt)
-    except Exception as e:   # (jinja's errors: a template that rejects these messages)
-        raise APIError(400, f"the chat template failed on these messages: {e}", ERROR_KINDS[400]) from None
+    prompt = render_chat(llm, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(llm.engine.default_params, body.max_completion_tokens or body.max_tokens, logprobs)
     streams = submit(request, body.model, [prompt], params, "chatcmpl")
     head = {"id": streams[0].request_id, "created": int(time.time()), "model": request.app.state.model_name}
     if body.stream:
-        return sse(chat_chunks(streams, head, logprobs, body.include_usage))
+        return sse(chat_chunks(streams, head, logprobs, body.include_usage, body.continuous_usage))
     finals = await until_disconnected(request, streams)
     if finals is None:
         return Response(status_code=499)
@@ -166,3 +206,57 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 "logprobs": chat_logprobs(c, logprobs), "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason} for c in finals[0].outputs]
     return {**head, "object": "chat.completion", "choices": choices, "usage": usage(finals)}
+
+
+def render_chat(llm: AsyncLLM, messages: list, add_generation_prompt: bool, template_kwargs: dict | None) -> str:
+    "The messages (a content may be a list of text parts) through the model's chat template, as the prompt's text."
+    if llm.tokenizer is None:
+        raise APIError(400, "chat needs a tokenizer (the engine was started without one)", ERROR_KINDS[400])
+    if "chat_template" in (template_kwargs or {}):   # (its loops would run on the server's event loop)
+        raise APIError(400, "chat_template_kwargs may not hold a chat_template: this server runs only its model's",
+                       ERROR_KINDS[400])
+    as_dicts = [m.as_dict(f"messages.{i}") for i, m in enumerate(messages)]
+    try:
+        return llm.tokenizer.apply_chat_template(as_dicts, tokenize=False, **(template_kwargs or {}),
+                                                 add_generation_prompt=add_generation_prompt)
+    except Exception as e:   # (jinja's errors: a template that rejects these messages)
+        raise APIError(400, f"the chat template failed on these messages: {e}", ERROR_KINDS[400]) from None
+
+
+# %% ../../notebooks/11_serving.ipynb #f0a49e04
+async def tokenize(body: TokenizeRequest, request: Request):
+    "POST /tokenize (vLLM's): a prompt's token ids, or those of chat messages through the chat template."
+    llm: AsyncLLM = request.app.state.llm
+    warn_ignored(body)
+    check_model(request.app.state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt or messages")
+    if llm.tokenizer is None:
+        raise APIError(400, "tokenize needs a tokenizer (the engine was started without one)")
+    if body.messages is not None:
+        text = render_chat(llm, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        special = bool(body.add_special_tokens)   # (the template wrote the special tokens already)
+    else:
+        text, special = body.prompt, body.add_special_tokens is not False
+    tokens = llm.tokenizer.encode(text, add_special_tokens=special)
+    strs = llm.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    return {"count": len(tokens), "max_model_len": llm.engine.config.max_model_len, "tokens": tokens,
+            "token_strs": strs}
+
+
+async def detokenize(body: DetokenizeRequest, request: Request):
+    "POST /detokenize (vLLM's): token ids to text."
+    llm: AsyncLLM = request.app.state.llm
+    warn_ignored(body)
+    check_model(request.app.state, body.model)
+    if llm.tokenizer is None:
+        raise APIError(400, "detokenize needs a tokenizer (the engine was started without one)")
+    vocab = llm.engine.config.hf_config.vocab_size
+    if bad := [t for t in body.tokens if not 0 <= t < vocab]:
+        raise APIError(400, f"tokens holds token id {bad[0]}, outside the vocabulary [0, {vocab})")
+    return {"prompt": llm.tokenizer.decode(body.tokens)}
+
+
+async def version(request: Request):
+    return {"version": __version__}
+

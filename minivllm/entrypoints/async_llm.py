@@ -148,12 +148,16 @@ class AsyncLLM:
 
     # %% ../../notebooks/11_serving.ipynb #c2ad79b3
     def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None) -> RequestOutputStream:
-        """Check and queue one request now (bad input raises here); iterate the result with `async for` to get its
-        outputs as the engine makes them: everything so far (CUMULATIVE, the default), only what is new (DELTA), or the
-        finished output alone (FINAL_ONLY), per `sampling_params.output_kind`."""
+                 request_id: str | None = None, check: Callable[[list[int]], None] | None = None
+                 ) -> RequestOutputStream:
+        """Check and queue one request now (bad input raises here, and so may `check`, the caller's own look at the
+        prompt's token ids); iterate the result with `async for` to get its outputs as the engine makes them: everything
+        so far (CUMULATIVE, the default), only what is new (DELTA), or the finished output alone (FINAL_ONLY), per
+        `sampling_params.output_kind`."""
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
         checked = self.engine.validate(prompt, sampling_params)
+        if check is not None:
+            check(checked[1])
         kind, head = checked[2].output_kind, RequestOutput(request_id, checked[0], checked[1], [], False)
         with self.lock:
             if request_id in self.streams:
@@ -234,6 +238,8 @@ class AsyncLLM:
                     del self.owners[request_id]
                     self.engine.abort_request(request_id)
                     self._send([(args[0], ABORTED)])   # (if it is still awaited)
+                    for hook in self.step_hooks:   # (the metrics' gauges drop now, not after some later step)
+                        hook([], time.perf_counter())
                 command = self.commands.get_nowait()
             return False
         except queue.Empty:

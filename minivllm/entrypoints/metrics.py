@@ -11,45 +11,86 @@ from .async_llm import AsyncLLM
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                    20.0, 40.0, 80.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class Twin:
+    "A metric under vLLM's name (`vllm:`, labelled with the model's name) and its old `minivllm:` alias, in step."
+
+    def __init__(self, kind, name: str, doc: str, model_name: str, registry: CollectorRegistry, **kwargs):
+        self.both = (kind("vllm:" + name, doc, ["model_name"], registry=registry, **kwargs).labels(model_name),
+                     kind("minivllm:" + name, f"{doc} (deprecated alias of vllm:{name})", registry=registry, **kwargs))
+
+    def set(self, value: float) -> None:
+        for metric in self.both:
+            metric.set(value)
+
+    def inc(self, amount: float) -> None:
+        for metric in self.both:
+            metric.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for metric in self.both:
+            metric.observe(value)
+
 
 # %% auto #0
-__all__ = ['LATENCY_BUCKETS', 'EngineMetrics']
+__all__ = ['LATENCY_BUCKETS', 'TOKEN_BUCKETS', 'Twin', 'EngineMetrics']
 
 # %% ../../notebooks/11_serving.ipynb #aa086d6b
 class EngineMetrics:
-    "Prometheus metrics of an AsyncLLM (vLLM's names, under `minivllm:`), updated by its engine thread after each step."
+    """Prometheus metrics of an AsyncLLM under vLLM's v1 names (`vllm:`, each labelled with the model's name; the
+    first eight also under `minivllm:`, their old names, for one release), updated by its engine thread."""
 
-    def __init__(self, llm: AsyncLLM, registry: CollectorRegistry):
+    def __init__(self, llm: AsyncLLM, registry: CollectorRegistry, model_name: str = ""):
         self.llm, self.seen = llm, {}   # request id -> (time of its last token, tokens so far)
-        m = "minivllm:"
-        self.running = Gauge(m + "num_requests_running", "Requests in the running batch.", registry=registry)
-        self.waiting = Gauge(m + "num_requests_waiting", "Requests waiting to run.", registry=registry)
-        self.kv_usage = Gauge(m + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use.", registry=registry)
-        self.prompt_tokens = Counter(m + "prompt_tokens", "Prompt tokens computed.", registry=registry)
-        self.generation_tokens = Counter(m + "generation_tokens", "Tokens generated.", registry=registry)
-        self.ttft = Histogram(m + "time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS,
-                              registry=registry)
-        self.itl = Histogram(m + "inter_token_latency_seconds", "Time between output tokens.",
-                             buckets=LATENCY_BUCKETS, registry=registry)
-        self.e2e = Histogram(m + "e2e_request_latency_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS,
-                             registry=registry)
-        self.counted = (llm.engine.stats.num_prompt_tokens, llm.engine.stats.num_generated_tokens)   # from now on
+        both = lambda kind, name, doc, **kw: Twin(kind, name, doc, model_name, registry, **kw)  # noqa: E731
+        self.running = both(Gauge, "num_requests_running", "Requests in the running batch.")
+        self.waiting = both(Gauge, "num_requests_waiting", "Requests waiting to run.")
+        self.kv_usage = both(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use.")
+        self.prompt_tokens = both(Counter, "prompt_tokens", "Prompt tokens computed.")
+        self.generation_tokens = both(Counter, "generation_tokens", "Tokens generated.")
+        self.ttft = both(Histogram, "time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS)
+        self.itl = both(Histogram, "inter_token_latency_seconds", "Time between output tokens.",
+                        buckets=LATENCY_BUCKETS)
+        self.e2e = both(Histogram, "e2e_request_latency_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS)
+
+        def vllm(kind, name, doc, labels=(), **kw):   # vLLM's name only
+            metric = kind("vllm:" + name, doc, ["model_name", *labels], registry=registry, **kw)
+            return metric if labels else metric.labels(model_name)
+        self.model_name = model_name
+        self.success = vllm(Counter, "request_success", "Requests finished, by finish reason.", ["finished_reason"])
+        self.preemptions = vllm(Counter, "num_preemptions", "Sequences preempted (to be recomputed).")
+        self.cache_queries = vllm(Counter, "prefix_cache_queries", "Prompt tokens of finished requests.")
+        self.cache_hits = vllm(Counter, "prefix_cache_hits", "Of them, tokens found in the prefix cache.")
+        self.request_tokens = {kind: vllm(Histogram, f"request_{kind}_tokens", f"Tokens per request ({kind}).",
+                                          buckets=TOKEN_BUCKETS) for kind in ("prompt", "generation")}
+        self.phases = {phase: vllm(Histogram, f"request_{phase}_time_seconds", f"Seconds of a request's {phase}.",
+                                   buckets=LATENCY_BUCKETS) for phase in ("queue", "prefill", "decode", "inference")}
+        stats = llm.engine.stats
+        self.counted = (stats.num_prompt_tokens, stats.num_generated_tokens, stats.num_preemptions)   # from now on
         llm.step_hooks.append(self.record)
 
     def record(self, outputs: list[RequestOutput], now: float) -> None:
+        "After each step (and each abort applied while no step runs): levels, counters, and each output's latencies."
         engine = self.llm.engine
         self.running.set(len(engine.scheduler.running))
         self.waiting.set(self.llm.num_waiting)
         self.kv_usage.set(engine.scheduler.block_manager.usage)
-        prompt, generated = engine.stats.num_prompt_tokens, engine.stats.num_generated_tokens
-        self.prompt_tokens.inc(prompt - self.counted[0])
-        self.generation_tokens.inc(generated - self.counted[1])
-        self.counted = (prompt, generated)
+        stats = engine.stats
+        counts = (stats.num_prompt_tokens, stats.num_generated_tokens, stats.num_preemptions)
+        for metric, new, old in zip((self.prompt_tokens, self.generation_tokens, self.preemptions), counts,
+                                    self.counted):
+            metric.inc(new - old)
+        self.counted = counts
         for out in outputs:
             self._latencies(out)
+            if out.finished:
+                self._finished(out)
         if len(self.seen) > 2 * len(self.llm.streams) + 64:   # forget aborted requests
             self.seen = {k: v for k, v in self.seen.items() if k in self.llm.streams}
 
+    # %% ../../notebooks/11_serving.ipynb #d3a49e02
     def _latencies(self, out: RequestOutput) -> None:
         "Time to first token once per request; the gaps between its tokens (an output may bring several)."
         m = out.metrics
@@ -66,3 +107,20 @@ class EngineMetrics:
         if out.finished:
             self.e2e.observe((m.finished_time or m.last_token_time) - m.arrival_time)
             self.seen.pop(out.request_id, None)
+
+    def _finished(self, out: RequestOutput) -> None:
+        "A finished request: its finish reasons, its sizes, its prefix-cache hits and the time of each of its phases."
+        for c in out.outputs:
+            self.success.labels(self.model_name, c.finish_reason or "abort").inc()
+        self.cache_queries.inc(len(out.prompt_token_ids))
+        self.cache_hits.inc(out.num_cached_tokens)
+        self.request_tokens["prompt"].observe(len(out.prompt_token_ids))
+        m = out.metrics
+        if m is None or m.first_token_time is None:
+            return
+        self.request_tokens["generation"].observe(m.num_generated_tokens)
+        scheduled = m.first_scheduled_time or m.arrival_time
+        end = m.finished_time or m.last_token_time
+        for phase, start, stop in (("queue", m.arrival_time, scheduled), ("prefill", scheduled, m.first_token_time),
+                                   ("decode", m.first_token_time, end), ("inference", scheduled, end)):
+            self.phases[phase].observe(max(0.0, stop - start))

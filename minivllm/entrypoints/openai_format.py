@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 
@@ -13,24 +14,33 @@ from ..outputs import CompletionOutput, RequestOutput
 from .async_llm import EngineDeadError, RequestOutputStream
 
 
-def completion_choice(index: int, c: CompletionOutput, offset: int = 0) -> dict:
-    return {"index": index, "text": c.text, "logprobs": completion_logprobs(c, offset),
+def completion_choice(index: int, c: CompletionOutput, offset: int = 0, decode=None) -> dict:
+    return {"index": index, "text": c.text, "logprobs": completion_logprobs(c, offset, decode),
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
 
-def completion_logprobs(c: CompletionOutput, offset: int = 0) -> dict | None:
-    "OpenAI's completions format: tokens, token_logprobs, top_logprobs, text_offset."
+def completion_logprobs(c: CompletionOutput, offset: int = 0, decode=None) -> dict | None:
+    """OpenAI's completions format: tokens, token_logprobs, top_logprobs, text_offset. A token without an entry (the
+    prompt's first, under echo: nothing came before it) has null logprobs and its text from `decode`, as in vLLM."""
     if c.logprobs is None:
         return None
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, entry in zip(c.token_ids, c.logprobs):
-        chosen = entry[token_id]
-        out["tokens"].append(chosen.decoded_token)
-        out["token_logprobs"].append(chosen.logprob)
-        out["top_logprobs"].append({lp.decoded_token: lp.logprob for lp in entry.values()})
+        if entry is None:
+            token, logprob, top = decode([token_id]), None, None
+        else:
+            token, logprob = entry[token_id].decoded_token, finite(entry[token_id].logprob)
+            top = {lp.decoded_token: finite(lp.logprob) for lp in entry.values()}
+        out["tokens"].append(token)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
-        offset += len(chosen.decoded_token or "")
+        offset += len(token or "")
     return out
+
+
+def finite(logprob: float) -> float:
+    return max(logprob, -9999.0)   # (-inf is not JSON; vLLM sends -9999.0)
 
 
 def chat_logprobs(c: CompletionOutput, top: int | None) -> dict | None:
@@ -56,8 +66,30 @@ def token_counts(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 # %% auto #0
-__all__ = ['completion_choice', 'completion_logprobs', 'chat_logprobs', 'usage', 'token_counts', 'sse', 'merge_streams',
-           'completion_chunks', 'chat_chunks']
+__all__ = ['completion_choice', 'completion_logprobs', 'finite', 'chat_logprobs', 'usage', 'token_counts', 'echo_choice',
+           'prompt_logprobs_json', 'sse', 'merge_streams', 'completion_chunks', 'chat_chunks']
+
+# %% ../../notebooks/11_serving.ipynb #e1c40a03
+def echo_choice(index: int, c: CompletionOutput, out: RequestOutput, decode, generated: bool, logprobs: bool
+                ) -> dict:
+    """A completion choice with the prompt before it (`echo`, vLLM's shape): text = prompt + completion, logprobs
+    from the prompt's first token on. Nothing `generated` (max_tokens 0): the prompt alone, scored."""
+    prompt = out.prompt if out.prompt is not None else decode(out.prompt_token_ids)
+    ids, text, entries = list(out.prompt_token_ids), prompt, out.prompt_logprobs if logprobs else None
+    if generated:
+        ids, text = ids + c.token_ids, prompt + c.text
+        entries = None if entries is None or c.logprobs is None else entries + c.logprobs
+    return completion_choice(index, dataclasses.replace(c, text=text, token_ids=ids, logprobs=entries), 0, decode)
+
+
+def prompt_logprobs_json(entries: list | None) -> list | None:
+    "vLLM's `prompt_logprobs`: per prompt token null (the first) or {token id: {logprob, rank, decoded_token}}."
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": finite(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in entries]
+
 
 # %% ../../notebooks/11_serving.ipynb #31c33d52
 def sse(events: AsyncIterator[dict]) -> StreamingResponse:
@@ -101,32 +133,44 @@ async def merge_streams(streams: list[RequestOutputStream]) -> AsyncIterator[tup
             stream.close()
 
 # %% ../../notebooks/11_serving.ipynb #efddd918
-async def completion_chunks(streams: list[RequestOutputStream], head: dict, n: int, include_usage: bool
-                            ) -> AsyncIterator[dict]:
-    sent, prompts, completion = {}, {}, 0   # characters sent per choice (for text_offset); prompt lengths
+async def completion_chunks(streams: list[RequestOutputStream], head: dict, n: int, include_usage: bool,
+                            continuous: bool = False, echo=None) -> AsyncIterator[dict]:
+    """Chunks of completions; with `continuous` (vLLM's continuous_usage_stats), each chunk has its choice's usage;
+    with `echo` (a function of index, output, request output), each choice's first chunk is its echo_choice."""
+    sent, prompts, tokens = {}, {}, {}   # per choice: characters sent (for text_offset), tokens; prompt lengths
     async for i, out in merge_streams(streams):
         prompts[i] = len(out.prompt_token_ids) or prompts.get(i, 0)
         for c in out.outputs:
             index = i * n + c.index
-            completion += len(c.token_ids)
-            yield {**head, "object": "text_completion", "choices": [completion_choice(index, c, sent.get(index, 0))]}
-            sent[index] = sent.get(index, 0) + len(c.text)
+            tokens[index] = tokens.get(index, 0) + len(c.token_ids)
+            first = echo is not None and index not in sent
+            choice = echo(index, c, out) if first else completion_choice(index, c, sent.get(index, 0))
+            chunk = {**head, "object": "text_completion", "choices": [choice]}
+            if continuous:
+                chunk["usage"] = token_counts(prompts[i], tokens[index])
+            yield chunk
+            sent[index] = sent.get(index, 0) + len(choice["text"])
     if include_usage:
         yield {**head, "object": "text_completion", "choices": [],
-               "usage": token_counts(sum(prompts.values()), completion)}
+               "usage": token_counts(sum(prompts.values()), sum(tokens.values()))}
 
 
-async def chat_chunks(streams: list[RequestOutputStream], head: dict, top: int | None, include_usage: bool
-                      ) -> AsyncIterator[dict]:
-    started, prompt, completion = set(), 0, 0
+async def chat_chunks(streams: list[RequestOutputStream], head: dict, top: int | None, include_usage: bool,
+                      continuous: bool = False) -> AsyncIterator[dict]:
+    started, prompt, tokens = set(), 0, {}
     async for _, out in merge_streams(streams):
         prompt = len(out.prompt_token_ids) or prompt
         for c in out.outputs:
             delta = {"content": c.text} if c.index in started else {"role": "assistant", "content": c.text}
             started.add(c.index)
-            completion += len(c.token_ids)
+            tokens[c.index] = tokens.get(c.index, 0) + len(c.token_ids)
             choice = {"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, top),
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            yield {**head, "object": "chat.completion.chunk", "choices": [choice]}
+            chunk = {**head, "object": "chat.completion.chunk", "choices": [choice]}
+            if continuous:
+                chunk["usage"] = token_counts(prompt, tokens[c.index])
+            yield chunk
     if include_usage:
-        yield {**head, "object": "chat.completion.chunk", "choices": [], "usage": token_counts(prompt, completion)}
+        yield {**head, "object": "chat.completion.chunk", "choices": [],
+               "usage": token_counts(prompt, sum(tokens.values()))}
+

@@ -3,6 +3,7 @@
 # %% ../../notebooks/11_serving.ipynb #01dfd5c6
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -11,16 +12,19 @@ from ..sampling_params import RequestOutputKind, SamplingParams
 
 
 DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+logger = logging.getLogger("minivllm.serve")
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # (vLLM's extra) usage on every chunk too, with include_usage
 
 
 class SamplingFields(BaseModel):
-    "The fields both endpoints share: OpenAI's, then vLLM's extras. None: the model's default (generation_config)."
-    model_config = ConfigDict(extra="forbid")   # an unknown field is an error (400), not silently ignored
+    """The fields both endpoints share: OpenAI's, then vLLM's extras. None: the model's default (generation_config).
+    An unknown field is kept aside (`model_extra`) and ignored with a warning, as vLLM does; see `ignored_fields`."""
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -41,9 +45,11 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
-    def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None
-                        ) -> SamplingParams:
+    def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         "The request as SamplingParams (an invalid value raises ValueError or TypeError naming the field)."
         given = {k: getattr(self, k) for k in DEFAULTED if getattr(self, k) is not None}
         bias = None if self.logit_bias is None else {_token_id(k): _bias(v) for k, v in self.logit_bias.items()}
@@ -51,12 +57,93 @@ class SamplingFields(BaseModel):
             **({k: getattr(defaults, k) for k in DEFAULTED} | given), n=self.n, seed=self.seed, stop=self.stop,
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, logit_bias=bias,
+            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logit_bias=bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        "Usage on every chunk (vLLM's `stream_options.continuous_usage_stats`, which needs `include_usage`)."
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+
+# %% auto #0
+__all__ = ['DEFAULTED', 'logger', 'REFUSED', 'StreamOptions', 'SamplingFields', 'CompletionRequest', 'ChatMessage',
+           'ChatCompletionRequest', 'ignored_fields', 'content_text', 'TokenizeRequest', 'DetokenizeRequest']
+
+# %% ../../notebooks/11_serving.ipynb #558fb527
+class CompletionRequest(SamplingFields):
+    "POST /v1/completions."
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)   # 0: only with echo (the prompt scored, nothing generated)
+    logprobs: int | None = Field(None, ge=0, le=20)   # (vLLM's limit; OpenAI's is 5)
+    echo: bool = False   # the prompt before the completion, with its logprobs when `logprobs` is set
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)   # (vLLM's extra) per prompt token, the top ones
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None   # a string, or a list of parts ({"type": "text", "text": ...})
+    name: str | None = None
+
+    def as_dict(self, where: str) -> dict:
+        "The message as the chat template reads it: its parts joined into one text (vLLM joins them with newlines)."
+        message = {"role": self.role, "content": content_text(self.content, where), "name": self.name}
+        return {k: v for k, v in message.items() if v is not None}
+
+
+class ChatCompletionRequest(SamplingFields):
+    "POST /v1/chat/completions."
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)   # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+
+
+# %% ../../notebooks/11_serving.ipynb #c0a49e01
+REFUSED = {   # fields that would change the output and are not supported yet, with the values that change nothing
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "logits_processors": (), "suffix": ("",), "best_of": (1,), "use_beam_search": (False,),
+    "prompt_embeds": (), "truncate_prompt_tokens": (), "logprob_token_ids": (), "continue_final_message": (False,)}
+
+
+def ignored_fields(body: BaseModel, where: str = "") -> list[str]:
+    """The unknown fields of a request (and of its stream_options and messages), which the server ignores; a
+    ValueError naming the first one that would change the output (REFUSED)."""
+    found = []
+    for name, value in (body.model_extra or {}).items():
+        if name in REFUSED and value is not None and value not in REFUSED[name]:
+            raise ValueError(f"{where}{name} is not supported by this server yet: send the request without it")
+        found.append(where + name)
+    for name, value in body:
+        if isinstance(value, BaseModel):
+            found += ignored_fields(value, f"{where}{name}.")
+        elif isinstance(value, list):
+            found += [f for i, v in enumerate(value) if isinstance(v, BaseModel)
+                      for f in ignored_fields(v, f"{where}{name}.{i}.")]
+    return found
+
+
+def content_text(content: str | list[dict] | None, where: str) -> str | None:
+    "A message's content as text; a part that is not text (an image, audio) is a ValueError naming it."
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}.content.{i}: a part of type {part.get('type')!r} is not supported "
+                             f"(this server reads text parts only: {{'type': 'text', 'text': ...}})")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _token_id(key: str) -> int:
@@ -71,31 +158,22 @@ def _bias(value: float) -> float:
         raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
     return value
 
-# %% auto #0
-__all__ = ['DEFAULTED', 'StreamOptions', 'SamplingFields', 'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest']
 
-# %% ../../notebooks/11_serving.ipynb #558fb527
-class CompletionRequest(SamplingFields):
-    "POST /v1/completions."
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0, le=20)   # (vLLM's limit; OpenAI's is 5)
-    echo: Literal[False] = False
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | None = None
-    name: str | None = None
-
-
-class ChatCompletionRequest(SamplingFields):
-    "POST /v1/chat/completions."
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)   # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    chat_template_kwargs: dict | None = None
+class TokenizeRequest(BaseModel):
+    "POST /tokenize (vLLM's): a prompt, or chat messages rendered by the chat template, to token ids."
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None   # (vLLM's defaults: True for a prompt, False for messages)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    "POST /detokenize (vLLM's): token ids to text."
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
+
