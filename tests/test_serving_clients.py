@@ -31,7 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from _net import wait_for
 from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
 from minivllm.entrypoints.async_llm import AsyncLLM
-from test_serving import API_KEY, MODEL, assert_error, engine_idle, serving, sse_events, wait_idle
+from test_serving import (API_KEY, MODEL, assert_error, engine_idle, one_torch_thread, serving,  # noqa: F401
+                          sse_events, wait_idle)   # (one_torch_thread: the same autouse fixture here)
 
 # A local multiple-choice task (lm-eval's `multiple_choice` output type): context, choices, the gold answer.
 QUESTIONS = [
@@ -52,14 +53,6 @@ VLLM_V1_NAMES = {
 OLD_NAMES = {"minivllm:num_requests_running", "minivllm:num_requests_waiting", "minivllm:kv_cache_usage_perc",
              "minivllm:prompt_tokens", "minivllm:generation_tokens", "minivllm:time_to_first_token_seconds",
              "minivllm:inter_token_latency_seconds", "minivllm:e2e_request_latency_seconds"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
