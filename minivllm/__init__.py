@@ -4,12 +4,20 @@
 __all__ = []
 
 # %% ../notebooks/10_llm_engine.ipynb #305420ff
-from .entrypoints.async_llm import AsyncLLM   # (notebook 11)
+from .entrypoints.async_llm import AsyncLLM  # (notebook 11)
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 from .tiny_model import TINY_MODEL_PATH
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob",
-           "TINY_MODEL_PATH"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "SamplingParams",
+    "RequestOutputKind",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "TINY_MODEL_PATH",
+]
 __version__ = "0.1.0"

@@ -12,12 +12,21 @@ from .real_model import cached_smollm2
 from .sampling_params import SamplingParams
 from .tiny_model import TINY_MODEL_PATH
 
-DEMO_PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\ndef main():\n",
-                "class Stack:\n    def __init__(self):\n        ", "for i, line in enumerate(lines):\n",
-                "    def __repr__(self):\n        return", "try:\n    import json\nexcept ImportError:\n"]
-DEMO_QUESTIONS = ["What is the capital of France?", "Write a Python function that reverses a string.",
-                  "Give me three tips for learning to cook.", "Why is the sky blue? Answer in two sentences."]
-DEMO_SAMPLING = dict(temperature=0.7, top_p=0.9, seed=0, max_tokens=128, repetition_penalty=1.1)   # SmolLM2's demo
+DEMO_PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "class Stack:\n    def __init__(self):\n        ",
+    "for i, line in enumerate(lines):\n",
+    "    def __repr__(self):\n        return",
+    "try:\n    import json\nexcept ImportError:\n",
+]
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Give me three tips for learning to cook.",
+    "Why is the sky blue? Answer in two sentences.",
+]
+DEMO_SAMPLING = dict(temperature=0.7, top_p=0.9, seed=0, max_tokens=128, repetition_penalty=1.1)  # SmolLM2's demo
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -25,13 +34,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("prompts", nargs="*", help="prompts (default: one per line on stdin)")
     ap.add_argument("--model", default=None, help="a checkpoint folder, GGUF file or Hub id (default: the tiny model)")
     ap.add_argument("--tokenizer", default=None, help="the tokenizer's folder or Hub id (default: the model's own)")
-    ap.add_argument("--demo", action="store_true", help="SmolLM2's answers to a few questions (`make real-model` "
-                    "fetches it; else the tiny model's code completions) and the throughput")
-    for flag, kind, default in (("--max-tokens", int, 64), ("--temperature", float, 0.0), ("--top-p", float, 1.0),
-                                ("--top-k", int, 0), ("--min-p", float, 0.0), ("--seed", int, None),
-                                ("--presence-penalty", float, 0.0), ("--frequency-penalty", float, 0.0),
-                                ("--repetition-penalty", float, 1.0)):
-        ap.add_argument(flag, type=kind, default=default)   # the sampling parameters
+    ap.add_argument(
+        "--demo",
+        action="store_true",
+        help="SmolLM2's answers to a few questions (`make real-model` "
+        "fetches it; else the tiny model's code completions) and the throughput",
+    )
+    for flag, kind, default in (
+        ("--max-tokens", int, 64),
+        ("--temperature", float, 0.0),
+        ("--top-p", float, 1.0),
+        ("--top-k", int, 0),
+        ("--min-p", float, 0.0),
+        ("--seed", int, None),
+        ("--presence-penalty", float, 0.0),
+        ("--frequency-penalty", float, 0.0),
+        ("--repetition-penalty", float, 1.0),
+    ):
+        ap.add_argument(flag, type=kind, default=default)  # the sampling parameters
     ap.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     ap.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
     ap.add_argument("--no-thinking", action="store_true", help="with --chat: Qwen3 answers without thinking first")
@@ -42,20 +62,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.set_defaults(demo_prompts=DEMO_PROMPTS)
     args = ap.parse_args(argv)
-    if args.no_thinking and not args.chat or args.demo and args.prompts:   # (a flag silently ignored misleads)
+    if args.no_thinking and not args.chat or args.demo and args.prompts:  # (a flag silently ignored misleads)
         ap.error("--no-thinking needs --chat" if args.no_thinking and not args.chat else "--demo brings its prompts")
-    if args.demo and args.model is None and (real := cached_smollm2()):   # the flags given still win
+    if args.demo and args.model is None and (real := cached_smollm2()):  # the flags given still win
         ap.set_defaults(model=real, chat=True, demo_prompts=DEMO_QUESTIONS, **DEMO_SAMPLING)
         args = ap.parse_args(argv)
     elif args.demo and args.model is None:
-        print("(SmolLM2-135M-Instruct is not in the cache: `make real-model` fetches it; the tiny model meanwhile)",
-              file=sys.stderr)
+        print(
+            "(SmolLM2-135M-Instruct is not in the cache: `make real-model` fetches it; the tiny model meanwhile)",
+            file=sys.stderr,
+        )
     args.model = args.model or TINY_MODEL_PATH
     return args
 
+
 # %% auto #0
-__all__ = ['DEMO_PROMPTS', 'DEMO_QUESTIONS', 'DEMO_SAMPLING', 'parse_args', 'read_prompts', 'main', 'run', 'chat_kwargs',
-           'stream', 'complete']
+__all__ = [
+    "DEMO_PROMPTS",
+    "DEMO_QUESTIONS",
+    "DEMO_SAMPLING",
+    "parse_args",
+    "read_prompts",
+    "main",
+    "run",
+    "chat_kwargs",
+    "stream",
+    "complete",
+]
+
 
 # %% ../notebooks/10_llm_engine.ipynb #f1220a02
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -68,8 +102,9 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:   # `minivllm serve MODEL`: the OpenAI-compatible server (notebook 11)
+    if argv[:1] == ["serve"]:  # `minivllm serve MODEL`: the OpenAI-compatible server (notebook 11)
         from minivllm.entrypoints.cli import serve
+
         return serve(argv[1:])
     args = parse_args(argv)
     prompts = read_prompts(args)
@@ -78,28 +113,48 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return run(args, prompts)
-    except (ValueError, TypeError) as e:   # bad input (a model path, a value out of range): one line, no traceback
+    except (ValueError, TypeError) as e:  # bad input (a model path, a value out of range): one line, no traceback
         print(f"python -m minivllm: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:   # Ctrl-C: the shell's convention, quietly
+    except KeyboardInterrupt:  # Ctrl-C: the shell's convention, quietly
         return 130
 
 
 def run(args: argparse.Namespace, prompts: list[str]) -> int:
     "Generate and print the completions (streamed, for one prompt), then the throughput."
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
-                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                            repetition_penalty=args.repetition_penalty)
-    with LLM(args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
-             max_model_len=args.max_model_len, enforce_eager=args.enforce_eager) as llm:
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+    )
+    with LLM(
+        args.model,
+        tokenizer=args.tokenizer,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+    ) as llm:
         start = time.perf_counter()
-        n = stream(llm, prompts[0], params, args) if len(prompts) == 1 and not args.no_stream else \
-            complete(llm, prompts, params, args)
+        n = (
+            stream(llm, prompts[0], params, args)
+            if len(prompts) == 1 and not args.no_stream
+            else complete(llm, prompts, params, args)
+        )
         seconds = time.perf_counter() - start
-    print(f"\n{len(prompts)} prompt(s), {n} tokens generated in {seconds:.2f} s: {n / seconds:,.0f} tok/s",
-          file=sys.stderr)
+    print(
+        f"\n{len(prompts)} prompt(s), {n} tokens generated in {seconds:.2f} s: {n / seconds:,.0f} tok/s",
+        file=sys.stderr,
+    )
     return 0
+
 
 # %% ../notebooks/10_llm_engine.ipynb #721bdf8b
 def chat_kwargs(args: argparse.Namespace) -> dict | None:
@@ -108,7 +163,7 @@ def chat_kwargs(args: argparse.Namespace) -> dict | None:
 
 def stream(llm: LLM, prompt: str, params: SamplingParams, args: argparse.Namespace) -> int:
     "Print the completion of one prompt as it is generated; the number of tokens."
-    if args.chat:   # the prompt LLM.chat would generate from
+    if args.chat:  # the prompt LLM.chat would generate from
         prompt = llm.chat_prompts([{"role": "user", "content": prompt}], chat_template_kwargs=chat_kwargs(args))[0]
     print(prompt, end="", flush=True)
     n = 0
@@ -122,8 +177,12 @@ def stream(llm: LLM, prompt: str, params: SamplingParams, args: argparse.Namespa
 def complete(llm: LLM, prompts: list[str], params: SamplingParams, args: argparse.Namespace) -> int:
     "Print each prompt's completion once all are done; the number of tokens."
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False,
-                           chat_template_kwargs=chat_kwargs(args))
+        outputs = llm.chat(
+            [[{"role": "user", "content": p}] for p in prompts],
+            params,
+            use_tqdm=False,
+            chat_template_kwargs=chat_kwargs(args),
+        )
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     for out in outputs:

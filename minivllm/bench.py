@@ -3,14 +3,15 @@
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #d7959f48
 """The standard benchmark of minivllm on a GPU, its roofline bound, and transformers' continuous batching side by side.
 
-    python -m minivllm.bench                                  # 256 requests, prompts 100-1024, outputs 100-1024 tokens
-    python -m minivllm.bench --compare transformers --compare-num-seqs 64 --compare-max-output 256
-    python -m minivllm.bench --prefix --out results.json      # + 256 requests sharing a 1,024-token prefix, cache on/off
-    python -m minivllm.bench --arch qwen3-30b-a3b             # another architecture, dummy weights made in place
-    python -m minivllm.bench --latency --skip-standard        # one stream alone, a decode step by batch size
-    python -m minivllm.bench --bandwidth 4.3e12 --flops 790e12  # the bound at these rates (default: the card's, measured)
-    python -m minivllm.bench serve --help                     # the serving benchmark (bench_serve.py)
+python -m minivllm.bench                                  # 256 requests, prompts 100-1024, outputs 100-1024 tokens
+python -m minivllm.bench --compare transformers --compare-num-seqs 64 --compare-max-output 256
+python -m minivllm.bench --prefix --out results.json      # + 256 requests sharing a 1,024-token prefix, cache on/off
+python -m minivllm.bench --arch qwen3-30b-a3b             # another architecture, dummy weights made in place
+python -m minivllm.bench --latency --skip-standard        # one stream alone, a decode step by batch size
+python -m minivllm.bench --bandwidth 4.3e12 --flops 790e12  # the bound at these rates (default: the card's, measured)
+python -m minivllm.bench serve --help                     # the serving benchmark (bench_serve.py)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,34 +28,53 @@ import torch
 from .bench_card import H200_BANDWIDTH, H200_FLOPS, card_line, cuda_versions, measure_card
 from .bench_models import ARCHS, QWEN3_0_6B, config_folder, random_qwen3_folder, roofline  # noqa: F401
 
-
 # %% auto #0
-__all__ = ['standard_workload', 'shared_prefix_workload', 'BenchResult', 'run_minivllm', 'run_transformers', 'environment',
-           'host_time_per_decode_step', 'parse_args', 'Report', 'run_workloads', 'main']
+__all__ = [
+    "standard_workload",
+    "shared_prefix_workload",
+    "BenchResult",
+    "run_minivllm",
+    "run_transformers",
+    "environment",
+    "host_time_per_decode_step",
+    "parse_args",
+    "Report",
+    "run_workloads",
+    "main",
+]
+
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #69f93507
-def standard_workload(num_seqs: int = 256, max_input: int = 1024, max_output: int = 1024, seed: int = 0,
-                      min_input: int = 100, min_output: int = 100) -> tuple[list[list[int]], list[int]]:
+def standard_workload(
+    num_seqs: int = 256,
+    max_input: int = 1024,
+    max_output: int = 1024,
+    seed: int = 0,
+    min_input: int = 100,
+    min_output: int = 100,
+) -> tuple[list[list[int]], list[int]]:
     "The standard benchmark: random prompts of 100..max_input token ids, then 100..max_output output lengths."
     random.seed(seed)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_input, max_input))]
-               for _ in range(num_seqs)]
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_input, max_input))] for _ in range(num_seqs)]
     outputs = [random.randint(min_output, max_output) for _ in range(num_seqs)]
     return prompts, outputs
 
 
-def shared_prefix_workload(num_seqs: int = 256, prefix_len: int = 1024, own: tuple[int, int] = (100, 400),
-                           max_output: int = 128, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+def shared_prefix_workload(
+    num_seqs: int = 256, prefix_len: int = 1024, own: tuple[int, int] = (100, 400), max_output: int = 128, seed: int = 0
+) -> tuple[list[list[int]], list[int]]:
     "Requests that share one long prefix (a system prompt, a document), then their own tokens."
     random.seed(seed)
     prefix = [random.randint(0, 10000) for _ in range(prefix_len)]
     prompts = [prefix + [random.randint(0, 10000) for _ in range(random.randint(*own))] for _ in range(num_seqs)]
     return prompts, [max_output] * num_seqs
 
+
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #e7c374d2
 @dataclass
 class BenchResult:
     "One measured run."
+
     engine: str
     workload: str
     num_requests: int
@@ -68,20 +88,31 @@ class BenchResult:
         return self.output_tokens / self.seconds
 
     def line(self) -> str:
-        return (f"{self.engine:14} {self.workload:22} {self.num_requests:4d} requests, {self.prompt_tokens:7,} prompt + "
-                f"{self.output_tokens:7,} output tokens in {self.seconds:7.2f} s = {self.output_tok_s:9,.0f} output tok/s")
+        return (
+            f"{self.engine:14} {self.workload:22} {self.num_requests:4d} requests, {self.prompt_tokens:7,} prompt + "
+            f"{self.output_tokens:7,} output tokens in {self.seconds:7.2f} s = {self.output_tok_s:9,.0f} output tok/s"
+        )
 
 
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
+
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #e13fafe6
-def run_minivllm(model: str, prompts: list[list[int]], output_lens: list[int], workload: str = "standard",
-                 temperature: float = 0.0, trace: bool = True, **engine_kwargs) -> tuple[BenchResult, list]:
+def run_minivllm(
+    model: str,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    workload: str = "standard",
+    temperature: float = 0.0,
+    trace: bool = True,
+    **engine_kwargs,
+) -> tuple[BenchResult, list]:
     "Time `LLM.generate` on the workload, warmed up on its first prompts with each token + 1 (no cache hits), + trace."
     from minivllm.llm import LLM
     from minivllm.sampling_params import SamplingParams
+
     engine_kwargs.setdefault("skip_tokenizer_init", not os.path.isfile(os.path.join(model, "tokenizer.json")))
     llm = LLM(model, **engine_kwargs)
     try:
@@ -95,13 +126,23 @@ def run_minivllm(model: str, prompts: list[list[int]], output_lens: list[int], w
         _sync()
         seconds = time.perf_counter() - start
         stats = llm.llm_engine.scheduler
-        result = BenchResult("minivllm", workload, len(prompts), sum(map(len, prompts)),
-                             sum(len(o.outputs[0].token_ids) for o in outputs), seconds,
-                             dict(preemptions=stats.num_preemptions, steps=llm.llm_engine.stats.num_steps,
-                                  cached_prompt_tokens=sum(o.num_cached_tokens for o in outputs),
-                                  engine_kwargs={k: v for k, v in engine_kwargs.items()},
-                                  attention_backends=dict(decode=llm.llm_engine.config.attention_backend,
-                                                          prefill=llm.llm_engine.config.prefill_backend)))
+        result = BenchResult(
+            "minivllm",
+            workload,
+            len(prompts),
+            sum(map(len, prompts)),
+            sum(len(o.outputs[0].token_ids) for o in outputs),
+            seconds,
+            dict(
+                preemptions=stats.num_preemptions,
+                steps=llm.llm_engine.stats.num_steps,
+                cached_prompt_tokens=sum(o.num_cached_tokens for o in outputs),
+                engine_kwargs={k: v for k, v in engine_kwargs.items()},
+                attention_backends=dict(
+                    decode=llm.llm_engine.config.attention_backend, prefill=llm.llm_engine.config.prefill_backend
+                ),
+            ),
+        )
         return result, records
     finally:
         llm.close()
@@ -109,10 +150,16 @@ def run_minivllm(model: str, prompts: list[list[int]], output_lens: list[int], w
         gc.collect()
 
 
-def run_transformers(model: str, prompts: list[list[int]], output_lens: list[int], workload: str = "standard",
-                     dtype: torch.dtype = torch.bfloat16) -> BenchResult:
+def run_transformers(
+    model: str,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    workload: str = "standard",
+    dtype: torch.dtype = torch.bfloat16,
+) -> BenchResult:
     "Time transformers' own continuous batching (paged SDPA) on the same workload, eos disabled."
     from transformers import AutoModelForCausalLM, GenerationConfig
+
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa").to("cuda").eval()
     config = GenerationConfig(do_sample=False, max_new_tokens=max(output_lens), eos_token_id=-1, pad_token_id=0)
     results = {}
@@ -134,20 +181,34 @@ def run_transformers(model: str, prompts: list[list[int]], output_lens: list[int
     del hf
     gc.collect()
     torch.cuda.empty_cache()
-    return BenchResult("transformers", workload, len(prompts), sum(map(len, prompts)),
-                       sum(len(o.generated_tokens) for o in results.values()), seconds)
+    return BenchResult(
+        "transformers",
+        workload,
+        len(prompts),
+        sum(map(len, prompts)),
+        sum(len(o.generated_tokens) for o in results.values()),
+        seconds,
+    )
+
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #5cc3feb9
 def environment() -> dict:
     import platform
 
-    import triton
     import transformers
-    env = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
-               triton=triton.__version__, cpu_count=os.cpu_count())
+    import triton
+
+    env = dict(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        triton=triton.__version__,
+        cpu_count=os.cpu_count(),
+    )
     if torch.cuda.is_available():
         env.update(gpu=torch.cuda.get_device_name(), gpu_count=torch.cuda.device_count(), **cuda_versions())
     from minivllm.kernels.backends import flash_attn_version
+
     if version := flash_attn_version():
         env.update(flash_attn=version)
     return env
@@ -160,22 +221,39 @@ def host_time_per_decode_step(records: list, min_running: int) -> float | None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m minivllm.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m minivllm.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None, help="a checkpoint folder or GGUF file (default: --arch, random weights)")
-    ap.add_argument("--arch", choices=list(ARCHS), default="qwen3-0.6b",
-                    help="without --model: this architecture with random weights (beyond qwen3-0.6b: made in place)")
+    ap.add_argument(
+        "--arch",
+        choices=list(ARCHS),
+        default="qwen3-0.6b",
+        help="without --model: this architecture with random weights (beyond qwen3-0.6b: made in place)",
+    )
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: an 8-bit KV cache")
-    ap.add_argument("--attention-backend", choices=["torch", "triton", "flash_attn"], default=None,
-                    help="one attention backend for every step (default: each phase's faster, notebook 05)")
-    ap.add_argument("--load-format", choices=["auto", "dummy"], default=None,
-                    help="dummy: seeded random weights made in place (default for --arch other than qwen3-0.6b)")
+    ap.add_argument(
+        "--attention-backend",
+        choices=["torch", "triton", "flash_attn"],
+        default=None,
+        help="one attention backend for every step (default: each phase's faster, notebook 05)",
+    )
+    ap.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default=None,
+        help="dummy: seeded random weights made in place (default for --arch other than qwen3-0.6b)",
+    )
     ap.add_argument("--random-model-dir", default=os.path.expanduser("~/.cache/minivllm/qwen3-0.6b-random"))
     for flag, default in (("--num-seqs", 256), ("--max-input", 1024), ("--max-output", 1024), ("--seed", 0)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--compare", choices=["transformers"], default=None,
-                    help="also run transformers' continuous batching on the same (or the --compare-*) workload")
+    ap.add_argument(
+        "--compare",
+        choices=["transformers"],
+        default=None,
+        help="also run transformers' continuous batching on the same (or the --compare-*) workload",
+    )
     ap.add_argument("--compare-num-seqs", type=int, default=None, help="a smaller workload for the side by side")
     ap.add_argument("--compare-max-input", type=int, default=None)
     ap.add_argument("--compare-max-output", type=int, default=None)
@@ -184,16 +262,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--latency", action="store_true", help="one stream alone, and a decode step by batch size")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
-    for flag, default in (("--block-size", 16), ("--max-num-seqs", 256), ("--max-num-batched-tokens", 16384),
-                          ("--max-model-len", 4096)):
+    for flag, default in (
+        ("--block-size", 16),
+        ("--max-num-seqs", 256),
+        ("--max-num-batched-tokens", 16384),
+        ("--max-model-len", 4096),
+    ):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--bandwidth", type=float, default=None,
-                    help="bytes/s for the roofline (default: the card's copy, measured first; the H200's: 4.3e12)")
-    ap.add_argument("--flops", type=float, default=None,
-                    help="FLOP/s for the roofline (default: the card's bf16 matmul, measured first; the H200's: 790e12)")
+    ap.add_argument(
+        "--bandwidth",
+        type=float,
+        default=None,
+        help="bytes/s for the roofline (default: the card's copy, measured first; the H200's: 4.3e12)",
+    )
+    ap.add_argument(
+        "--flops",
+        type=float,
+        default=None,
+        help="FLOP/s for the roofline (default: the card's bf16 matmul, measured first; the H200's: 790e12)",
+    )
     ap.add_argument("--out", default=None, help="write the results (and step traces) to this JSON file")
     return ap.parse_args(argv)
+
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #8d618271
 class Report:
@@ -202,24 +293,36 @@ class Report:
     def __init__(self, **info):
         self.data = dict(info, runs=[])
 
-    def add(self, result: BenchResult, bound: dict | None = None, trace: list | None = None,
-            h200_bound: dict | None = None) -> None:
+    def add(
+        self, result: BenchResult, bound: dict | None = None, trace: list | None = None, h200_bound: dict | None = None
+    ) -> None:
         line, entry = result.line(), dict(asdict(result), output_tok_s=result.output_tok_s)
         if bound:
             entry["roofline"] = bound
             entry["fraction_of_bound"] = result.output_tok_s / bound["max_output_tok_s"]
             line += f" = {entry['fraction_of_bound']:.1%} of the bound ({bound['max_output_tok_s']:,.0f})"
-        if h200_bound:   # the same bound at the H200's fixed rates: comparable across cards and with earlier runs
+        if h200_bound:  # the same bound at the H200's fixed rates: comparable across cards and with earlier runs
             entry["roofline_h200"] = h200_bound
             entry["fraction_of_h200_bound"] = result.output_tok_s / h200_bound["max_output_tok_s"]
             line += f", {entry['fraction_of_h200_bound']:.1%} at the H200's ({h200_bound['max_output_tok_s']:,.0f})"
         if trace:
             entry["host_ms_per_decode_step_at_batch_256"] = (host_time_per_decode_step(trace, 256) or 0) * 1e3
-            entry["trace"] = [dict(t=r.start, step_s=r.duration, wait_s=r.wait, batch=len(r.seq_ids),
-                                   running=r.num_running, waiting=r.num_waiting, kv_usage=r.kv_usage,
-                                   decode_only=r.is_decode_only) for r in trace]
+            entry["trace"] = [
+                dict(
+                    t=r.start,
+                    step_s=r.duration,
+                    wait_s=r.wait,
+                    batch=len(r.seq_ids),
+                    running=r.num_running,
+                    waiting=r.num_waiting,
+                    kv_usage=r.kv_usage,
+                    decode_only=r.is_decode_only,
+                )
+                for r in trace
+            ]
         print(line, flush=True)
         self.data["runs"].append(entry)
+
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #ac6d85ce
 def run_workloads(args: argparse.Namespace, model: str, spec: dict, engine_kwargs: dict, report: Report) -> None:
@@ -233,8 +336,12 @@ def run_workloads(args: argparse.Namespace, model: str, spec: dict, engine_kwarg
         if (host := host_time_per_decode_step(trace, 256)) is not None:
             print(f"host time per decode step at batch 256: {host * 1e3:.2f} ms (median)")
     if args.compare:
-        prompts, outs = standard_workload(args.compare_num_seqs or args.num_seqs, args.compare_max_input or
-                                          args.max_input, args.compare_max_output or args.max_output, args.seed)
+        prompts, outs = standard_workload(
+            args.compare_num_seqs or args.num_seqs,
+            args.compare_max_input or args.max_input,
+            args.compare_max_output or args.max_output,
+            args.seed,
+        )
         ours, _ = run_minivllm(model, prompts, outs, "side-by-side", args.temperature, trace=False, **engine_kwargs)
         theirs = run_transformers(model, prompts, outs, "side-by-side")
         report.add(ours), report.add(theirs)
@@ -243,28 +350,36 @@ def run_workloads(args: argparse.Namespace, model: str, spec: dict, engine_kwarg
     if args.prefix:
         prompts, outs = shared_prefix_workload(seed=args.seed)
         on, _ = run_minivllm(model, prompts, outs, "shared-prefix, cache on", trace=False, **engine_kwargs)
-        off, _ = run_minivllm(model, prompts, outs, "shared-prefix, cache off", trace=False,
-                              **{**engine_kwargs, "enable_prefix_caching": False})
+        off, _ = run_minivllm(
+            model,
+            prompts,
+            outs,
+            "shared-prefix, cache off",
+            trace=False,
+            **{**engine_kwargs, "enable_prefix_caching": False},
+        )
         report.add(on), report.add(off)
         report.data["prefix_cache_speedup"] = on.output_tok_s / off.output_tok_s
         print(f"prefix caching on / off: {report.data['prefix_cache_speedup']:.2f}x")
     if args.latency:
         from minivllm.bench_latency import run_latency
+
         report.data["latency"] = run_latency(model, spec, engine_kwargs, args.bandwidth, args.flops)
 
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #506276f3
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:   # `python -m minivllm.bench serve ...`: the serving benchmark
+    if argv[:1] == ["serve"]:  # `python -m minivllm.bench serve ...`: the serving benchmark
         from minivllm.bench_serve import main as serve
+
         return serve(argv[1:])
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("the GPU benchmark needs a CUDA device; on a CPU, see tools/cpu_bench.py", file=sys.stderr)
         return 2
     peaks = None
-    if args.bandwidth is None or args.flops is None:   # the bounds at this card's own rates, measured first
+    if args.bandwidth is None or args.flops is None:  # the bounds at this card's own rates, measured first
         peaks = measure_card("cuda")
         print(card_line(peaks), flush=True)
         args.bandwidth, args.flops = args.bandwidth or peaks["bandwidth"], args.flops or peaks["flops"]
@@ -275,17 +390,31 @@ def main(argv: list[str] | None = None) -> int:
         model = config_folder(os.path.join(os.path.dirname(args.random_model_dir), args.arch + "-config"), args.arch)
     else:
         model = random_qwen3_folder(args.random_model_dir)
-    from minivllm.models.registry import load_config   # (a folder or a GGUF file)
-    print(f"model: {model}{'' if args.model and load_format == 'auto' else ' (RANDOM WEIGHTS)'}\n"
-          f"environment: {environment()}")
-    engine_kwargs = dict(load_format=load_format, kv_cache_dtype=args.kv_cache_dtype,
-                         attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
-                         enforce_eager=args.enforce_eager,
-                         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                         gpu_memory_utilization=args.gpu_memory_utilization)
-    report = Report(model=model, random_weights=not args.model or load_format == "dummy", environment=environment(),
-                    peaks=peaks, args=vars(args))
+    from minivllm.models.registry import load_config  # (a folder or a GGUF file)
+
+    print(
+        f"model: {model}{'' if args.model and load_format == 'auto' else ' (RANDOM WEIGHTS)'}\n"
+        f"environment: {environment()}"
+    )
+    engine_kwargs = dict(
+        load_format=load_format,
+        kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enforce_eager=args.enforce_eager,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    report = Report(
+        model=model,
+        random_weights=not args.model or load_format == "dummy",
+        environment=environment(),
+        peaks=peaks,
+        args=vars(args),
+    )
     run_workloads(args, model, load_config(model).to_dict(), engine_kwargs, report)
     if args.out:
         with open(args.out, "w") as f:

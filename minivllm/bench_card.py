@@ -2,6 +2,7 @@
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #3352b107
 """The card the benchmark runs on: its copy bandwidth and bf16 matrix rate, measured, and its driver and CUDA."""
+
 from __future__ import annotations
 
 import gc
@@ -13,7 +14,7 @@ import time
 
 import torch
 
-H200_BANDWIDTH, H200_FLOPS = 4.3e12, 790e12   # the H200's measured copy bandwidth and bf16 rate: the fixed reference
+H200_BANDWIDTH, H200_FLOPS = 4.3e12, 790e12  # the H200's measured copy bandwidth and bf16 rate: the fixed reference
 
 
 def timed_ms(fn, device: str | torch.device = "cuda", repeats: int = 10, warmup: int = 3) -> list[float]:
@@ -39,8 +40,9 @@ def timed_ms(fn, device: str | torch.device = "cuda", repeats: int = 10, warmup:
     return [start.elapsed_time(end) for start, end in events]
 
 
-def copy_bandwidth(device: str | torch.device = "cuda", nbytes: int = 4 << 30, repeats: int = 10,
-                   seed: int = 0) -> dict:
+def copy_bandwidth(
+    device: str | torch.device = "cuda", nbytes: int = 4 << 30, repeats: int = 10, seed: int = 0
+) -> dict:
     "A device-to-device copy of `nbytes` of random floats: bytes read + written over the median time."
     src = torch.rand(nbytes // 4, generator=torch.Generator(device=device).manual_seed(seed), device=device)
     dst = torch.empty_like(src)
@@ -49,27 +51,47 @@ def copy_bandwidth(device: str | torch.device = "cuda", nbytes: int = 4 << 30, r
     return dict(bytes=moved, ms=ms, bytes_per_s=moved / ms * 1e3, repeats=repeats)
 
 
-def matmul_rate(device: str | torch.device = "cuda", n: int = 8192, repeats: int = 10, warmup: int = 5,
-                dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict:
+def matmul_rate(
+    device: str | torch.device = "cuda",
+    n: int = 8192,
+    repeats: int = 10,
+    warmup: int = 5,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> dict:
     "An n x n x n matrix product of random `dtype` values through torch: 2 n^3 FLOPs over the median time."
     gen = torch.Generator(device=device).manual_seed(seed)
     a, b = (torch.randn(n, n, generator=gen, device=device, dtype=dtype) for _ in range(2))
     out = torch.empty(n, n, device=device, dtype=dtype)
     ms = statistics.median(timed_ms(lambda: torch.matmul(a, b, out=out), device, repeats, warmup))
-    flop = 2 * n ** 3
-    return dict(n=n, dtype=str(dtype).removeprefix("torch."), flop=flop, ms=ms, flops=flop / ms * 1e3,
-                repeats=repeats)
+    flop = 2 * n**3
+    return dict(n=n, dtype=str(dtype).removeprefix("torch."), flop=flop, ms=ms, flops=flop / ms * 1e3, repeats=repeats)
+
 
 # %% auto #0
-__all__ = ['H200_BANDWIDTH', 'H200_FLOPS', 'timed_ms', 'copy_bandwidth', 'matmul_rate', 'driver_version', 'cuda_versions',
-           'measure_card', 'card_line']
+__all__ = [
+    "H200_BANDWIDTH",
+    "H200_FLOPS",
+    "timed_ms",
+    "copy_bandwidth",
+    "matmul_rate",
+    "driver_version",
+    "cuda_versions",
+    "measure_card",
+    "card_line",
+]
+
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #3ef30783
 def driver_version() -> str | None:
     "The NVIDIA driver's version (e.g. '580.159.04'): from nvidia-smi, else /proc; None where neither answers."
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout.split()
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split()
         if out:
             return out[0]
     except (OSError, subprocess.SubprocessError):
@@ -86,13 +108,14 @@ def cuda_versions() -> dict:
     "The driver, the CUDA the driver speaks and the CUDA torch was built with: for the results file."
     versions = dict(driver=driver_version(), cuda=torch.version.cuda)
     if torch.cuda.is_available() and hasattr(torch._C, "_cuda_getDriverVersion"):
-        api = torch._C._cuda_getDriverVersion()   # e.g. 13000 for CUDA 13.0
+        api = torch._C._cuda_getDriverVersion()  # e.g. 13000 for CUDA 13.0
         versions["cuda_driver_api"] = f"{api // 1000}.{api % 1000 // 10}"
     return versions
 
 
-def measure_card(device: str | torch.device = "cuda", copy_bytes: int = 4 << 30, matmul_n: int = 8192,
-                 repeats: int = 10) -> dict:
+def measure_card(
+    device: str | torch.device = "cuda", copy_bytes: int = 4 << 30, matmul_n: int = 8192, repeats: int = 10
+) -> dict:
     "The card's name, copy bandwidth (bytes/s) and bf16 matrix rate (FLOP/s), measured; its memory freed after."
     copy, matmul = copy_bandwidth(device, copy_bytes, repeats), matmul_rate(device, matmul_n, repeats)
     gc.collect()
@@ -106,7 +129,9 @@ def measure_card(device: str | torch.device = "cuda", copy_bytes: int = 4 << 30,
 def card_line(peaks: dict) -> str:
     "The measured rates in a line, and each as a fraction of the H200's fixed ones."
     m = peaks["matmul"]
-    return (f"card: {peaks['device']}: copy {peaks['bandwidth'] / 1e12:.2f} TB/s, {m['dtype']} matmul "
-            f"{m['n']}^3 {peaks['flops'] / 1e12:.0f} TFLOP/s (medians of {m['repeats']}) = "
-            f"{peaks['bandwidth'] / H200_BANDWIDTH:.1%} and {peaks['flops'] / H200_FLOPS:.1%} of the H200's "
-            f"{H200_BANDWIDTH / 1e12} TB/s and {H200_FLOPS / 1e12:.0f} TFLOP/s")
+    return (
+        f"card: {peaks['device']}: copy {peaks['bandwidth'] / 1e12:.2f} TB/s, {m['dtype']} matmul "
+        f"{m['n']}^3 {peaks['flops'] / 1e12:.0f} TFLOP/s (medians of {m['repeats']}) = "
+        f"{peaks['bandwidth'] / H200_BANDWIDTH:.1%} and {peaks['flops'] / H200_FLOPS:.1%} of the H200's "
+        f"{H200_BANDWIDTH / 1e12} TB/s and {H200_FLOPS / 1e12:.0f} TFLOP/s"
+    )

@@ -2,6 +2,7 @@
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #44998ab5
 """Latency on a GPU: one stream alone, and a decode step's time by batch size against its bound."""
+
 from __future__ import annotations
 
 import os
@@ -21,6 +22,7 @@ def spec_prompts(spec: dict, n: int, length: int, seed: int) -> list[list[int]]:
 def traced_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list, float]:
     "Greedy `generate` of `max_tokens` tokens per prompt (eos ignored): the engine's step records, and the seconds."
     from minivllm.sampling_params import SamplingParams
+
     engine = llm.llm_engine
     trace, start = engine.start_trace(), time.perf_counter()
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
@@ -28,8 +30,15 @@ def traced_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[lis
     return trace, seconds
 
 
-def decode_step_table(llm, spec: dict, batches: tuple[int, ...] = (1, 8, 32, 128, 256), context: int = 1024,
-                      steps: int = 64, bandwidth: float = 4.3e12, flops: float = 790e12) -> list[dict]:
+def decode_step_table(
+    llm,
+    spec: dict,
+    batches: tuple[int, ...] = (1, 8, 32, 128, 256),
+    context: int = 1024,
+    steps: int = 64,
+    bandwidth: float = 4.3e12,
+    flops: float = 790e12,
+) -> list[dict]:
     """Per batch size: the median decode step (wall and host time, ms) of `batch` x `context` tokens, and its bound
     (at `bandwidth` and `flops`, and at the H200's fixed rates)."""
     rows = []
@@ -39,10 +48,17 @@ def decode_step_table(llm, spec: dict, batches: tuple[int, ...] = (1, 8, 32, 128
         decode = [r for r in trace if r.is_decode_only and len(r.seq_ids) == batch]
         lens = [context + steps // 2] * batch
         bound = roofline(spec, lens, [1] * batch, bandwidth, flops)["decode_s"]
-        rows.append(dict(batch=batch, context=context, steps=len(decode),
-                         step_ms=1e3 * statistics.median(r.duration for r in decode),
-                         host_ms=1e3 * statistics.median(r.duration - r.wait for r in decode), bound_ms=1e3 * bound,
-                         h200_bound_ms=1e3 * roofline(spec, lens, [1] * batch, H200_BANDWIDTH, H200_FLOPS)["decode_s"]))
+        rows.append(
+            dict(
+                batch=batch,
+                context=context,
+                steps=len(decode),
+                step_ms=1e3 * statistics.median(r.duration for r in decode),
+                host_ms=1e3 * statistics.median(r.duration - r.wait for r in decode),
+                bound_ms=1e3 * bound,
+                h200_bound_ms=1e3 * roofline(spec, lens, [1] * batch, H200_BANDWIDTH, H200_FLOPS)["decode_s"],
+            )
+        )
     return rows
 
 
@@ -51,39 +67,52 @@ def single_stream(llm, spec: dict, prompt_len: int = 1024, output_len: int = 512
     prompt = spec_prompts(spec, 1, prompt_len, seed=prompt_len + output_len)
     trace, seconds = traced_generate(llm, prompt, output_len)
     decode = [r.duration for r in trace if r.is_decode_only and r.seq_ids]
-    return dict(prompt_tokens=prompt_len, output_tokens=output_len, seconds=seconds,
-                output_tok_s=output_len / seconds, first_step_ms=1e3 * trace[0].duration,
-                decode_step_ms=1e3 * statistics.median(decode))
+    return dict(
+        prompt_tokens=prompt_len,
+        output_tokens=output_len,
+        seconds=seconds,
+        output_tok_s=output_len / seconds,
+        first_step_ms=1e3 * trace[0].duration,
+        decode_step_ms=1e3 * statistics.median(decode),
+    )
+
 
 # %% auto #0
-__all__ = ['spec_prompts', 'traced_generate', 'decode_step_table', 'single_stream', 'latency_lines', 'run_latency']
+__all__ = ["spec_prompts", "traced_generate", "decode_step_table", "single_stream", "latency_lines", "run_latency"]
+
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #84e4e4f9
 def latency_lines(stream: dict, table: list[dict]) -> list[str]:
     "The single stream in a line, then the decode-step table (with the bound at the H200's rates where it has one)."
     h200 = all("h200_bound_ms" in r for r in table)
-    lines = [f"one stream: {stream['prompt_tokens']:,}-token prompt, {stream['output_tokens']} output tokens in "
-             f"{stream['seconds']:.3f} s = {stream['output_tok_s']:,.0f} output tok/s (first step "
-             f"{stream['first_step_ms']:.1f} ms, median decode step {stream['decode_step_ms']:.3f} ms)",
-             "batch  context  decode step ms  host ms  bound ms  step / bound" + "  H200 bound ms  step / H200's" * h200]
-    lines += [f"{r['batch']:5d}  {r['context']:7,}  {r['step_ms']:14.3f}  {r['host_ms']:7.3f}  {r['bound_ms']:8.3f}  "
-              f"{r['step_ms'] / r['bound_ms']:11.1f}x" + (f"  {r['h200_bound_ms']:13.3f}  "
-                                                         f"{r['step_ms'] / r['h200_bound_ms']:12.1f}x" if h200 else "")
-              for r in table]
+    lines = [
+        f"one stream: {stream['prompt_tokens']:,}-token prompt, {stream['output_tokens']} output tokens in "
+        f"{stream['seconds']:.3f} s = {stream['output_tok_s']:,.0f} output tok/s (first step "
+        f"{stream['first_step_ms']:.1f} ms, median decode step {stream['decode_step_ms']:.3f} ms)",
+        "batch  context  decode step ms  host ms  bound ms  step / bound" + "  H200 bound ms  step / H200's" * h200,
+    ]
+    lines += [
+        f"{r['batch']:5d}  {r['context']:7,}  {r['step_ms']:14.3f}  {r['host_ms']:7.3f}  {r['bound_ms']:8.3f}  "
+        f"{r['step_ms'] / r['bound_ms']:11.1f}x"
+        + (f"  {r['h200_bound_ms']:13.3f}  {r['step_ms'] / r['h200_bound_ms']:12.1f}x" if h200 else "")
+        for r in table
+    ]
     return lines
 
 
-def run_latency(model: str, spec: dict, engine_kwargs: dict, bandwidth: float = 4.3e12,
-                flops: float = 790e12) -> dict:
+def run_latency(model: str, spec: dict, engine_kwargs: dict, bandwidth: float = 4.3e12, flops: float = 790e12) -> dict:
     "Both measurements on one engine, after a warm-up; printed, and returned for the results file."
     from minivllm.llm import LLM
+
     kwargs = dict(skip_tokenizer_init=not os.path.isfile(os.path.join(model, "tokenizer.json")), **engine_kwargs)
     llm = LLM(model, **kwargs)
     try:
-        for batch in (8, 1):   # warm-up: each kind of step the runs take, so no first-call cost is timed
+        for batch in (8, 1):  # warm-up: each kind of step the runs take, so no first-call cost is timed
             traced_generate(llm, spec_prompts(spec, batch, 1024, seed=99 + batch), 8)
-        result = dict(single_stream=single_stream(llm, spec),
-                      decode_steps=decode_step_table(llm, spec, bandwidth=bandwidth, flops=flops))
+        result = dict(
+            single_stream=single_stream(llm, spec),
+            decode_steps=decode_step_table(llm, spec, bandwidth=bandwidth, flops=flops),
+        )
     finally:
         llm.close()
     print("\n".join(latency_lines(result["single_stream"], result["decode_steps"])), flush=True)

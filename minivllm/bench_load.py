@@ -2,6 +2,7 @@
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #280ff1d7
 """A load generator for an OpenAI-compatible server: Poisson arrivals, streamed requests, their latencies and a summary."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,26 +33,40 @@ def percentile(values: list[float], p: float) -> float | None:
     lo = math.floor(k)
     return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
 
+
 # %% auto #0
-__all__ = ['poisson_arrivals', 'percentile', 'random_prompts', 'RequestResult', 'send_request', 'keeps_up', 'summarize',
-           'run_rate', 'run_async']
+__all__ = [
+    "poisson_arrivals",
+    "percentile",
+    "random_prompts",
+    "RequestResult",
+    "send_request",
+    "keeps_up",
+    "summarize",
+    "run_rate",
+    "run_async",
+]
+
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #ab374272
-def random_prompts(n: int, input_len: int, vocab_size: int, seed: int = 0, skip: set[int] = frozenset()
-                   ) -> list[list[int]]:
+def random_prompts(
+    n: int, input_len: int, vocab_size: int, seed: int = 0, skip: set[int] = frozenset()
+) -> list[list[int]]:
     "`n` prompts of `input_len` random token ids below `vocab_size`, none of them in `skip` (special tokens)."
     rng = random.Random(seed)
     allowed = [t for t in range(vocab_size) if t not in skip] if skip else range(vocab_size)
     return [[rng.choice(allowed) for _ in range(input_len)] for _ in range(n)]
 
+
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #e362d310
 @dataclass
 class RequestResult:
     "What the client saw of one streamed request; times in seconds from when it was sent."
-    sent_at: float = 0.0                             # when it was sent, from the start of the run
-    ttft: float | None = None                        # time to first token: to the first chunk with text
-    itl: list[float] = field(default_factory=list)   # inter-token latencies: the gaps between chunks, per token
-    e2e: float | None = None                         # end to end: until the stream ended
+
+    sent_at: float = 0.0  # when it was sent, from the start of the run
+    ttft: float | None = None  # time to first token: to the first chunk with text
+    itl: list[float] = field(default_factory=list)  # inter-token latencies: the gaps between chunks, per token
+    e2e: float | None = None  # end to end: until the stream ended
     output_tokens: int = 0
     prompt_tokens: int | None = None
     error: str | None = None
@@ -76,7 +91,7 @@ async def send_request(client, url: str, body: dict, run_start: float) -> Reques
             if response.status_code != 200:
                 res.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
                 return res
-            async for line in response.aiter_lines():   # server-sent events: `data: {json}`, maybe `data: [DONE]`
+            async for line in response.aiter_lines():  # server-sent events: `data: {json}`, maybe `data: [DONE]`
                 if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                     continue
                 event, now = json.loads(line[5:]), time.perf_counter()
@@ -85,15 +100,15 @@ async def send_request(client, url: str, body: dict, run_start: float) -> Reques
                     return res
                 usage = event.get("usage") or usage
                 if not any(c.get("text") for c in event.get("choices") or []):
-                    continue   # (the usage at the end, or a token held back until its text is whole)
-                total = usage.get("completion_tokens")   # (a server that counts the tokens in every chunk)
+                    continue  # (the usage at the end, or a token held back until its text is whole)
+                total = usage.get("completion_tokens")  # (a server that counts the tokens in every chunk)
                 tokens = max(1, total - seen) if total is not None else 1
                 if res.ttft is None:
                     res.ttft = now - start
                 else:
                     res.itl += [(now - last) / tokens] * tokens
                 seen, last = seen + tokens, now
-    except Exception as e:   # the connection refused or dropped, an event that is not JSON
+    except Exception as e:  # the connection refused or dropped, an event that is not JSON
         res.error = f"{type(e).__name__}: {e}"[:300]
         return res
     res.e2e = time.perf_counter() - start
@@ -101,6 +116,7 @@ async def send_request(client, url: str, body: dict, run_start: float) -> Reques
     if res.ttft is None:
         res.error = "the stream ended without a token"
     return res
+
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #74f1963a
 def keeps_up(results: list[RequestResult], slack: float = 2.0, floor: float = 0.1) -> bool | None:
@@ -123,11 +139,21 @@ def keeps_up(results: list[RequestResult], slack: float = 2.0, floor: float = 0.
 def summarize(results: list[RequestResult], duration: float, rate: float | None = None) -> dict:
     "Throughputs; TTFT, ITL, TPOT and E2E mean, p50 and p99 (ms) over the completed requests; failures counted."
     ok = [r for r in results if r.ok]
-    out = dict(request_rate=rate, num_requests=len(results), completed=len(ok), failed=len(results) - len(ok),
-               duration_s=duration, output_tokens=sum(r.output_tokens for r in ok))
+    out = dict(
+        request_rate=rate,
+        num_requests=len(results),
+        completed=len(ok),
+        failed=len(results) - len(ok),
+        duration_s=duration,
+        output_tokens=sum(r.output_tokens for r in ok),
+    )
     out.update(request_throughput=len(ok) / duration, output_throughput=out["output_tokens"] / duration)
-    samples = dict(ttft=[r.ttft for r in ok], itl=[x for r in ok for x in r.itl],
-                   tpot=[r.tpot for r in ok if r.tpot is not None], e2e=[r.e2e for r in ok])
+    samples = dict(
+        ttft=[r.ttft for r in ok],
+        itl=[x for r in ok for x in r.itl],
+        tpot=[r.tpot for r in ok if r.tpot is not None],
+        e2e=[r.e2e for r in ok],
+    )
     for name, xs in samples.items():
         out[f"mean_{name}_ms"] = 1e3 * sum(xs) / len(xs) if xs else None
         out[f"p50_{name}_ms"], out[f"p99_{name}_ms"] = (1e3 * percentile(xs, p) if xs else None for p in (50, 99))
@@ -135,23 +161,27 @@ def summarize(results: list[RequestResult], duration: float, rate: float | None 
     out["errors"] = sorted({r.error for r in results if r.error})[:5]
     return out
 
+
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #e22362f6
-async def run_rate(base_url: str, bodies: list[dict], arrivals: list[float], deadline: float | None = None
-                   ) -> tuple[list[RequestResult], float]:
+async def run_rate(
+    base_url: str, bodies: list[dict], arrivals: list[float], deadline: float | None = None
+) -> tuple[list[RequestResult], float]:
     """Send `bodies[i]` at `arrivals[i]` s, all streamed at once: what each saw, and the seconds until the last ended
     (or until `deadline` s after the last was sent: those still running are cancelled, and fail)."""
-    import httpx   # (here: the rest of minivllm does not need it)
+    import httpx  # (here: the rest of minivllm does not need it)
+
     url = base_url.rstrip("/").removesuffix("/v1") + "/v1/completions"
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)   # (httpx's default: 100 at once)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # (httpx's default: 100 at once)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         start = time.perf_counter()
 
         async def one(body: dict, at: float) -> RequestResult:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             return await send_request(client, url, body, start)
+
         tasks = [asyncio.create_task(one(b, at)) for b, at in zip(bodies, arrivals)]
         done, pending = await asyncio.wait(tasks, timeout=None if deadline is None else max(arrivals) + deadline)
-        for task in pending:   # the client hangs up: the server aborts them
+        for task in pending:  # the client hangs up: the server aborts them
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         duration = time.perf_counter() - start
@@ -166,5 +196,6 @@ def run_async(coro):
     except RuntimeError:
         return asyncio.run(coro)
     from concurrent.futures import ThreadPoolExecutor
+
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()

@@ -2,6 +2,7 @@
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #b1dbc225
 """The architectures the benchmark runs, with random weights (`--arch`), and the lower bound on a workload's time."""
+
 from __future__ import annotations
 
 import gc
@@ -10,28 +11,62 @@ import os
 
 import torch
 
-QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, head_dim=128,
-                  num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True, rms_norm_eps=1e-6,
-                  max_position_embeddings=40960, rope_theta=1_000_000.0, bos_token_id=151643, eos_token_id=151645)
-ARCHS = {   # --arch: released architectures, run with seeded random weights (load_format="dummy" beyond the default)
+QWEN3_0_6B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    head_dim=128,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+ARCHS = {  # --arch: released architectures, run with seeded random weights (load_format="dummy" beyond the default)
     "qwen3-0.6b": dict(model_type="qwen3", **QWEN3_0_6B),
-    "qwen3-8b": dict(model_type="qwen3", **{**QWEN3_0_6B, "hidden_size": 4096, "intermediate_size": 12288,
-                                            "num_hidden_layers": 36, "num_attention_heads": 32,
-                                            "tie_word_embeddings": False}),
-    "qwen3-30b-a3b": dict(model_type="qwen3_moe", **{**QWEN3_0_6B, "hidden_size": 2048, "intermediate_size": 6144,
-                                                     "num_hidden_layers": 48, "num_attention_heads": 32,
-                                                     "num_key_value_heads": 4, "tie_word_embeddings": False},
-                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-                          decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen3-8b": dict(
+        model_type="qwen3",
+        **{
+            **QWEN3_0_6B,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        **{
+            **QWEN3_0_6B,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "tie_word_embeddings": False,
+        },
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    ),
 }
 
 # %% auto #0
-__all__ = ['QWEN3_0_6B', 'ARCHS', 'moe_terms', 'roofline', 'random_qwen3_folder', 'config_folder']
+__all__ = ["QWEN3_0_6B", "ARCHS", "moe_terms", "roofline", "random_qwen3_folder", "config_folder"]
+
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #04c126d8
 def moe_terms(config: dict) -> tuple[int, int, int]:
     "(MoE layers, experts, experts per token) of a config; (0, 0, 0) for a dense model."
-    experts = config.get("num_experts") or config.get("num_local_experts") or 0   # (transformers 5 saves the latter)
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0  # (transformers 5 saves the latter)
     k = config.get("num_experts_per_tok") or 0
     if not experts:
         return 0, 0, 0
@@ -40,8 +75,14 @@ def moe_terms(config: dict) -> tuple[int, int, int]:
     return layers, experts, k
 
 
-def roofline(config: dict, prompt_lens: list[int], output_lens: list[int], bandwidth: float = 4.3e12,
-             flops: float = 790e12, bytes_per_param: int = 2) -> dict:
+def roofline(
+    config: dict,
+    prompt_lens: list[int],
+    output_lens: list[int],
+    bandwidth: float = 4.3e12,
+    flops: float = 790e12,
+    bytes_per_param: int = 2,
+) -> dict:
     """Lower bound on the time: prefill at the matrix rate; each decode step moves the weights it uses and every KV
     cache read. A mixture of experts counts only the experts a step's tokens use (`num_experts_per_tok` per token,
     the expected distinct experts of a batch under uniform routing)."""
@@ -52,7 +93,7 @@ def roofline(config: dict, prompt_lens: list[int], output_lens: list[int], bandw
     expert = 3 * h * (config.get("moe_intermediate_size") or 0)
     attn = h * (qd + 2 * kvd) + qd * h
     fixed = layers * attn + (layers - moe_layers) * 3 * h * config["intermediate_size"] + moe_layers * h * experts
-    matmul_params = fixed + moe_layers * k * expert + vocab * h        # used by one token
+    matmul_params = fixed + moe_layers * k * expert + vocab * h  # used by one token
     head_bytes = 0 if config.get("tie_word_embeddings") else vocab * h
     kv_per_token = layers * 2 * kvd * bytes_per_param
     attn_flops = 4 * layers * qd
@@ -62,15 +103,19 @@ def roofline(config: dict, prompt_lens: list[int], output_lens: list[int], bandw
         ctx = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
         touched = experts * (1 - (1 - k / experts) ** len(ctx)) if experts else 0.0
         weight_bytes = (fixed + vocab * h + head_bytes + moe_layers * touched * expert) * bytes_per_param
-        decode += max((weight_bytes + sum(ctx) * kv_per_token) / bandwidth,
-                      (len(ctx) * 2 * matmul_params + sum(ctx) * attn_flops) / flops)
+        decode += max(
+            (weight_bytes + sum(ctx) * kv_per_token) / bandwidth,
+            (len(ctx) * 2 * matmul_params + sum(ctx) * attn_flops) / flops,
+        )
     total = prefill + decode
     return dict(prefill_s=prefill, decode_s=decode, total_s=total, max_output_tok_s=sum(output_lens) / total)
+
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #b177bac1
 def random_qwen3_folder(path: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, **overrides) -> str:
     "Qwen3-0.6B's architecture with seeded RANDOM weights, as a Hugging Face folder (made once); returns its path."
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
     spec = {**QWEN3_0_6B, **overrides}
     marker = os.path.join(path, "minivllm_random_weights.json")
     wanted = dict(spec=spec, seed=seed, dtype=str(dtype))
@@ -83,8 +128,10 @@ def random_qwen3_folder(path: str, seed: int = 0, dtype: torch.dtype = torch.bfl
         model = Qwen3ForCausalLM(Qwen3Config(**spec)).to(dtype)
     model.save_pretrained(path)
     with open(os.path.join(path, "README.md"), "w") as f:
-        f.write("# RANDOM WEIGHTS\n\nThe Qwen3-0.6B architecture with seeded random weights, written by "
-                "`minivllm.bench.random_qwen3_folder` for speed measurements. It generates noise.\n")
+        f.write(
+            "# RANDOM WEIGHTS\n\nThe Qwen3-0.6B architecture with seeded random weights, written by "
+            "`minivllm.bench.random_qwen3_folder` for speed measurements. It generates noise.\n"
+        )
     json.dump(wanted, open(marker, "w"))
     del model
     gc.collect()
@@ -94,6 +141,7 @@ def random_qwen3_folder(path: str, seed: int = 0, dtype: torch.dtype = torch.bfl
 def config_folder(path: str, arch: str) -> str:
     "A folder holding only the config.json of `arch` (one of ARCHS): for load_format='dummy'."
     from transformers import AutoConfig
+
     spec = dict(ARCHS[arch])
     os.makedirs(path, exist_ok=True)
     AutoConfig.for_model(spec.pop("model_type"), **spec).save_pretrained(path)

@@ -3,12 +3,13 @@
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #58b623bd
 """The serving benchmark: requests that arrive at a rate (Poisson), streamed from an OpenAI-compatible server.
 
-    python -m minivllm.bench serve                                  # `minivllm serve` on Qwen3-0.6B (random weights)
-    python -m minivllm.bench serve --request-rate 1 4 16 inf --num-prompts 200 --out serve.json
-    python -m minivllm.bench serve --backend minivllm transformers  # the same requests to `transformers serve` too
-    python -m minivllm.bench serve --backend openai --base-url http://127.0.0.1:8000 --model M   # a running server
-    python -m minivllm.bench serve --backend openai --backend-cmd "vllm serve {model} --port {port}"
+python -m minivllm.bench serve                                  # `minivllm serve` on Qwen3-0.6B (random weights)
+python -m minivllm.bench serve --request-rate 1 4 16 inf --num-prompts 200 --out serve.json
+python -m minivllm.bench serve --backend minivllm transformers  # the same requests to `transformers serve` too
+python -m minivllm.bench serve --backend openai --base-url http://127.0.0.1:8000 --model M   # a running server
+python -m minivllm.bench serve --backend openai --backend-cmd "vllm serve {model} --port {port}"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,13 +28,17 @@ from dataclasses import asdict
 
 from .bench_load import poisson_arrivals, random_prompts, run_async, run_rate, summarize
 
-BACKENDS = {   # how --backend X starts its server ({python}, {model}, {port}), and what its requests add
-    "minivllm": dict(cmd="{python} -m minivllm serve {model} --host 127.0.0.1 --port {port}",
-                     body={"ignore_eos": True}),
-    "transformers": dict(cmd="{python} -m transformers.cli.transformers serve {model} --host 127.0.0.1 --port {port} "
-                             "--continuous-batching", body={"generation_config": json.dumps({"eos_token_id": -1})},
-                         text_only=True),   # (prompts are text only; it rejects unknown fields such as ignore_eos)
-    "openai": dict(cmd=None, body={}),      # any other OpenAI-compatible server: --base-url or --backend-cmd
+BACKENDS = {  # how --backend X starts its server ({python}, {model}, {port}), and what its requests add
+    "minivllm": dict(
+        cmd="{python} -m minivllm serve {model} --host 127.0.0.1 --port {port}", body={"ignore_eos": True}
+    ),
+    "transformers": dict(
+        cmd="{python} -m transformers.cli.transformers serve {model} --host 127.0.0.1 --port {port} "
+        "--continuous-batching",
+        body={"generation_config": json.dumps({"eos_token_id": -1})},
+        text_only=True,
+    ),  # (prompts are text only; it rejects unknown fields such as ignore_eos)
+    "openai": dict(cmd=None, body={}),  # any other OpenAI-compatible server: --base-url or --backend-cmd
 }
 
 
@@ -42,9 +47,24 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
 # %% auto #0
-__all__ = ['BACKENDS', 'HEADER', 'free_port', 'server', 'healthy', 'with_word_tokenizer', 'parse_args', 'server_command',
-           'request_bodies', 'table_row', 'bench_backend', 'main', 'on_sigterm']
+__all__ = [
+    "BACKENDS",
+    "HEADER",
+    "free_port",
+    "server",
+    "healthy",
+    "with_word_tokenizer",
+    "parse_args",
+    "server_command",
+    "request_bodies",
+    "table_row",
+    "bench_backend",
+    "main",
+    "on_sigterm",
+]
+
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #40be62d2
 @contextmanager
@@ -52,19 +72,24 @@ def server(cmd: list[str], port: int, log_path: str, startup_timeout: float = 60
     "Start `cmd`; once GET /health answers 200, yield its URL (its exit or the deadline: an error); always stop it."
     url, env = f"http://127.0.0.1:{port}", dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1")
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)   # (its own process group, so that it is stopped whole)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )  # (its own process group, so that it is stopped whole)
     try:
         deadline = time.monotonic() + startup_timeout
         while not healthy(url):
             if proc.poll() is not None or time.monotonic() > deadline:
-                why = f"exited ({proc.returncode})" if proc.poll() is not None else f"not healthy in {startup_timeout} s"
+                why = (
+                    f"exited ({proc.returncode})" if proc.poll() is not None else f"not healthy in {startup_timeout} s"
+                )
                 with open(log_path, errors="replace") as log:
-                    raise RuntimeError(f"the server {why}; the end of its log {log_path}:\n{''.join(log.readlines()[-20:])}")
+                    raise RuntimeError(
+                        f"the server {why}; the end of its log {log_path}:\n{''.join(log.readlines()[-20:])}"
+                    )
             time.sleep(0.5)
         yield url
     finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):   # SIGTERM, then SIGKILL `grace` seconds later
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGTERM, then SIGKILL `grace` seconds later
             if proc.poll() is None:
                 os.killpg(proc.pid, sig)
                 try:
@@ -75,10 +100,12 @@ def server(cmd: list[str], port: int, log_path: str, startup_timeout: float = 60
 
 def healthy(url: str) -> bool:
     import httpx
+
     try:
         return httpx.get(url + "/health", timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
+
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #71c4b284
 def with_word_tokenizer(model: str, folder: str) -> str:
@@ -90,6 +117,7 @@ def with_word_tokenizer(model: str, folder: str) -> str:
             os.symlink(os.path.abspath(os.path.join(model, name)), os.path.join(folder, name))
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
         from tokenizers import Tokenizer, models, pre_tokenizers
+
         with open(os.path.join(model, "config.json")) as f:
             vocab = {f"t{i}": i for i in range(json.load(f)["vocab_size"])}
         tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
@@ -99,12 +127,19 @@ def with_word_tokenizer(model: str, folder: str) -> str:
             json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20}, f)
     return folder
 
+
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #6cd53c95
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m minivllm.bench serve", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", nargs="+", choices=sorted(BACKENDS), default=["minivllm"],
-                    help="the servers to start in turn; each gets the same requests")
+    ap = argparse.ArgumentParser(
+        prog="python -m minivllm.bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--backend",
+        nargs="+",
+        choices=sorted(BACKENDS),
+        default=["minivllm"],
+        help="the servers to start in turn; each gets the same requests",
+    )
     ap.add_argument("--model", default=None, help="a checkpoint folder (default: Qwen3-0.6B, random weights)")
     ap.add_argument("--random-model-dir", default=os.path.expanduser("~/.cache/minivllm/qwen3-0.6b-random"))
     ap.add_argument("--base-url", default=None, help="a server already running (http://host:port): start none")
@@ -112,14 +147,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default=None, help="for the servers minivllm and transformers: cpu, cuda, ...")
     ap.add_argument("--minivllm-args", default="", help="more flags for `minivllm serve`, in one string")
     ap.add_argument("--transformers-args", default="", help="more flags for `transformers serve`, in one string")
-    ap.add_argument("--request-rate", type=float, nargs="+", default=[1.0, 4.0, 16.0, math.inf],
-                    help="requests per second (Poisson arrivals), a run each; inf: all at once")
+    ap.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[1.0, 4.0, 16.0, math.inf],
+        help="requests per second (Poisson arrivals), a run each; inf: all at once",
+    )
     ap.add_argument("--num-prompts", type=int, default=100, help="requests per rate (with --duration: at rate inf)")
     ap.add_argument("--duration", type=float, default=None, help="send each finite rate for this many seconds")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--prompt-format", choices=["ids", "text"], default=None,
-                    help="token ids, or text (the ids decoded by the model's tokenizer); default: ids where accepted")
+    ap.add_argument(
+        "--prompt-format",
+        choices=["ids", "text"],
+        default=None,
+        help="token ids, or text (the ids decoded by the model's tokenizer); default: ids where accepted",
+    )
     ap.add_argument("--no-ignore-eos", action="store_true", help="do not ask the server to ignore end-of-sequence")
     ap.add_argument("--extra-body", type=json.loads, default={}, help="JSON fields added to every request")
     ap.add_argument("--served-model-name", default=None, help="the requests' `model` field (default: none sent)")
@@ -136,37 +180,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--backend openai needs --base-url or --backend-cmd")
     return args
 
+
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #7c6f0b96
 def server_command(args: argparse.Namespace, backend: str, model: str, port: int) -> list[str]:
     "The command that starts `backend`'s server on `model` at `port`."
-    cmd = shlex.split((args.backend_cmd or BACKENDS[backend]["cmd"]).format(
-        python=shlex.quote(sys.executable), model=shlex.quote(model), port=port))
+    cmd = shlex.split(
+        (args.backend_cmd or BACKENDS[backend]["cmd"]).format(
+            python=shlex.quote(sys.executable), model=shlex.quote(model), port=port
+        )
+    )
     if args.backend_cmd:
         return cmd
     return cmd + (["--device", args.device] if args.device else []) + shlex.split(getattr(args, f"{backend}_args"))
 
 
-def request_bodies(args: argparse.Namespace, backend: str, prompts: list[list[int]], tokenizer=None,
-                   max_tokens: int | None = None) -> list[dict]:
+def request_bodies(
+    args: argparse.Namespace, backend: str, prompts: list[list[int]], tokenizer=None, max_tokens: int | None = None
+) -> list[dict]:
     "The requests' JSON: streamed, greedy, `max_tokens` tokens (end-of-sequence ignored), the usage at the end."
     extra = {**({} if args.no_ignore_eos else BACKENDS[backend]["body"]), **args.extra_body}
     if args.served_model_name:
         extra["model"] = args.served_model_name
-    return [{"prompt": p if tokenizer is None else tokenizer.decode(p), "max_tokens": max_tokens or args.output_len,
-             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, **extra} for p in prompts]
+    return [
+        {
+            "prompt": p if tokenizer is None else tokenizer.decode(p),
+            "max_tokens": max_tokens or args.output_len,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **extra,
+        }
+        for p in prompts
+    ]
+
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #045a9c45
-HEADER = (f"{'backend':13} {'rate':>5} {'done':>4} {'fail':>4} {'req/s':>6} {'tok/s':>7} | ms: {'TTFT p50':>8} "
-          f"{'p99':>7} {'ITL p50':>7} {'p99':>6} {'E2E p50':>7} {'p99':>7} | kept up")
+HEADER = (
+    f"{'backend':13} {'rate':>5} {'done':>4} {'fail':>4} {'req/s':>6} {'tok/s':>7} | ms: {'TTFT p50':>8} "
+    f"{'p99':>7} {'ITL p50':>7} {'p99':>6} {'E2E p50':>7} {'p99':>7} | kept up"
+)
 
 
 def table_row(backend: str, s: dict) -> str:
     "A backend at a rate, in the columns of HEADER."
-    ms = ["-" if s[k] is None else f"{s[k]:.1f}" for k in ("p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms",
-                                                            "p50_e2e_ms", "p99_e2e_ms")]
-    return (f"{backend:13} {float(s['request_rate']):>5g} {s['completed']:>4} {s['failed']:>4} {s['request_throughput']:>6.2f} "
-            f"{s['output_throughput']:>7.0f} |     {ms[0]:>8} {ms[1]:>7} {ms[2]:>7} {ms[3]:>6} {ms[4]:>7} {ms[5]:>7} | "
-            + {True: "yes", False: "no", None: "-"}[s["kept_up"]])
+    ms = [
+        "-" if s[k] is None else f"{s[k]:.1f}"
+        for k in ("p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "p50_e2e_ms", "p99_e2e_ms")
+    ]
+    return (
+        f"{backend:13} {float(s['request_rate']):>5g} {s['completed']:>4} {s['failed']:>4} {s['request_throughput']:>6.2f} "
+        f"{s['output_throughput']:>7.0f} |     {ms[0]:>8} {ms[1]:>7} {ms[2]:>7} {ms[3]:>6} {ms[4]:>7} {ms[5]:>7} | "
+        + {True: "yes", False: "no", None: "-"}[s["kept_up"]]
+    )
 
 
 def bench_backend(args: argparse.Namespace, backend: str, model: str, report: dict) -> None:
@@ -174,14 +239,19 @@ def bench_backend(args: argparse.Namespace, backend: str, model: str, report: di
     tokenizer = None
     if args.prompt_format == "text" or (args.prompt_format is None and BACKENDS[backend].get("text_only")):
         from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(model)
     with open(os.path.join(model, "config.json")) as f:
         vocab = min(json.load(f)["vocab_size"], len(tokenizer) if tokenizer is not None else math.inf)
     skip = set(tokenizer.all_special_ids) if tokenizer is not None else set()
     port, log = free_port(), args.server_log or os.path.join(tempfile.gettempdir(), "minivllm-bench-{backend}.log")
     cmd = None if args.base_url else server_command(args, backend, model, port)
-    entry = dict(backend=backend, server_cmd=cmd and shlex.join(cmd), base_url=args.base_url,
-                 prompt_format="ids" if tokenizer is None else "text")
+    entry = dict(
+        backend=backend,
+        server_cmd=cmd and shlex.join(cmd),
+        base_url=args.base_url,
+        prompt_format="ids" if tokenizer is None else "text",
+    )
     report["servers"].append(entry)
     running = server(cmd, port, log.format(backend=backend), args.server_timeout) if cmd else nullcontext(args.base_url)
     with running as url:
@@ -191,15 +261,28 @@ def bench_backend(args: argparse.Namespace, backend: str, model: str, report: di
             entry["error"] = f"the warm-up failed: {warm[0].error}"
             print(f"{backend}: {entry['error']}", file=sys.stderr, flush=True)
             return
-        for i, rate in enumerate(args.request_rate):   # each rate its own prompts: no prefix-cache hits between them
+        for i, rate in enumerate(args.request_rate):  # each rate its own prompts: no prefix-cache hits between them
             n = args.num_prompts if args.duration is None or math.isinf(rate) else max(1, round(rate * args.duration))
             prompts = random_prompts(n, args.input_len, vocab, args.seed + 1 + i, skip)
-            results, seconds = run_async(run_rate(url, request_bodies(args, backend, prompts, tokenizer),
-                                                  poisson_arrivals(len(prompts), rate, args.seed), args.rate_timeout))
+            results, seconds = run_async(
+                run_rate(
+                    url,
+                    request_bodies(args, backend, prompts, tokenizer),
+                    poisson_arrivals(len(prompts), rate, args.seed),
+                    args.rate_timeout,
+                )
+            )
             summary = summarize(results, seconds, rate)
             print(table_row(backend, summary), flush=True)
-            report["runs"].append({"backend": backend, **summary, "request_rate": f"{rate:g}",
-                                   "requests": [dict(asdict(r), tpot=r.tpot) for r in results]})
+            report["runs"].append(
+                {
+                    "backend": backend,
+                    **summary,
+                    "request_rate": f"{rate:g}",
+                    "requests": [dict(asdict(r), tpot=r.tpot) for r in results],
+                }
+            )
+
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #9eec67e0
 def main(argv: list[str] | None = None) -> int:
@@ -207,26 +290,40 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     from minivllm.bench import environment, random_qwen3_folder
-    random_weights = args.model is None   # then `python -m minivllm.bench`'s checkpoint, with a word-level tokenizer
-    model = args.model or with_word_tokenizer(random_qwen3_folder(args.random_model_dir), args.random_model_dir + "-serve")
-    report = dict(command=shlex.join(["python", "-m", "minivllm.bench", "serve", *argv]), model=model,
-                  random_weights=random_weights, environment=environment(), servers=[], runs=[],
-                  args={**vars(args), "request_rate": [f"{r:g}" for r in args.request_rate]})
+
+    random_weights = args.model is None  # then `python -m minivllm.bench`'s checkpoint, with a word-level tokenizer
+    model = args.model or with_word_tokenizer(
+        random_qwen3_folder(args.random_model_dir), args.random_model_dir + "-serve"
+    )
+    report = dict(
+        command=shlex.join(["python", "-m", "minivllm.bench", "serve", *argv]),
+        model=model,
+        random_weights=random_weights,
+        environment=environment(),
+        servers=[],
+        runs=[],
+        args={**vars(args), "request_rate": [f"{r:g}" for r in args.request_rate]},
+    )
     each = f"{args.duration:g} s" if args.duration else f"{args.num_prompts} requests"
-    print(f"{os.path.basename(model)}{' (RANDOM WEIGHTS)' if random_weights else ''}: {each} a rate, {args.input_len} "
-          f"prompt + {args.output_len} output tokens a request\n{HEADER}", flush=True)
-    previous = on_sigterm(lambda *_: sys.exit(143))   # (`timeout` or a job's end: the servers are stopped first)
+    print(
+        f"{os.path.basename(model)}{' (RANDOM WEIGHTS)' if random_weights else ''}: {each} a rate, {args.input_len} "
+        f"prompt + {args.output_len} output tokens a request\n{HEADER}",
+        flush=True,
+    )
+    previous = on_sigterm(lambda *_: sys.exit(143))  # (`timeout` or a job's end: the servers are stopped first)
     try:
         for backend in args.backend:
             try:
                 bench_backend(args, backend, model, report)
-            except RuntimeError as e:   # a server that did not start: the others still run
+            except RuntimeError as e:  # a server that did not start: the others still run
                 print(f"{backend}: {e}", file=sys.stderr, flush=True)
                 report["servers"].append(dict(backend=backend, error=str(e)))
     finally:
         on_sigterm(previous)
-        kept = {b: [float(r["request_rate"]) for r in report["runs"] if r["backend"] == b and r["kept_up"]]
-                for b in args.backend}
+        kept = {
+            b: [float(r["request_rate"]) for r in report["runs"] if r["backend"] == b and r["kept_up"]]
+            for b in args.backend
+        }
         report["highest_rate_kept_up"] = {b: max(rates, default=None) for b, rates in kept.items()}
         if args.out:
             with open(args.out, "w") as f:

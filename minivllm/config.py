@@ -20,9 +20,17 @@ def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
 
+
 # %% auto #0
-__all__ = ['GENERATION_FIELDS', 'resolve_device', 'resolve_dtype', 'check_types', 'check_sizes', 'Config',
-           'takes_engine_arguments']
+__all__ = [
+    "GENERATION_FIELDS",
+    "resolve_device",
+    "resolve_dtype",
+    "check_types",
+    "check_sizes",
+    "Config",
+    "takes_engine_arguments",
+]
 
 # %% ../notebooks/09_model_runner.ipynb #0d0c6da5
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,7 +55,7 @@ def resolve_dtype(dtype: str, device: str, hf_config: PretrainedConfig) -> torch
     _check(dtype in _DTYPES, f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got {dtype!r}")
     if device == "cuda" and dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         _check(auto, "this GPU cannot run bfloat16: pass dtype='float16' or dtype='float32'")
-        dtype = "float16"   # what vLLM does on GPUs older than Ampere
+        dtype = "float16"  # what vLLM does on GPUs older than Ampere
     if device == "cpu":
         try:
             x = torch.ones(2, 2, dtype=_DTYPES[dtype])
@@ -55,6 +63,7 @@ def resolve_dtype(dtype: str, device: str, hf_config: PretrainedConfig) -> torch
         except RuntimeError as e:
             raise ValueError(f"the cpu device cannot run dtype {dtype}: {e}") from None
     return _DTYPES[dtype]
+
 
 # %% ../notebooks/09_model_runner.ipynb #dbcca913
 def check_types(cfg) -> None:
@@ -68,80 +77,114 @@ def check_types(cfg) -> None:
         value = getattr(cfg, name)
         if not (value is None and name in optional) and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    for names, kinds, want in ((("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill",
-                                 "skip_tokenizer_init", "async_scheduling"), bool, "True or False"),
-                               (("gpu_memory_utilization", "cpu_kvcache_space_gib"), (int, float), "a number"),
-                               (("dtype", "device", "generation_config", "load_format", "kv_cache_dtype"), str, "a string")):
+    for names, kinds, want in (
+        (
+            (
+                "enforce_eager",
+                "enable_prefix_caching",
+                "enable_chunked_prefill",
+                "skip_tokenizer_init",
+                "async_scheduling",
+            ),
+            bool,
+            "True or False",
+        ),
+        (("gpu_memory_utilization", "cpu_kvcache_space_gib"), (int, float), "a number"),
+        (("dtype", "device", "generation_config", "load_format", "kv_cache_dtype"), str, "a string"),
+    ):
         for name in names:
             value = getattr(cfg, name)
-            if not isinstance(value, kinds) or isinstance(value, bool) and kinds is not bool:   # a bool is no number
+            if not isinstance(value, kinds) or isinstance(value, bool) and kinds is not bool:  # a bool is no number
                 raise TypeError(f"{name} must be {want}, got {value!r}")
+
 
 # %% ../notebooks/09_model_runner.ipynb #42acabb3
 def check_sizes(cfg) -> None:
     hf, limit = cfg.hf_config, cfg.hf_config.max_position_embeddings
-    _check(1 <= cfg.max_model_len <= limit,
-           f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), got {cfg.max_model_len}")
+    _check(
+        1 <= cfg.max_model_len <= limit,
+        f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), got {cfg.max_model_len}",
+    )
     _check(cfg.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {cfg.max_num_seqs}")
-    _check(cfg.max_num_batched_tokens >= cfg.max_num_seqs,
-           f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be at least max_num_seqs "
-           f"({cfg.max_num_seqs}): every running sequence needs a token of budget per step")
-    _check(cfg.enable_chunked_prefill or cfg.max_num_batched_tokens >= cfg.max_model_len,
-           f"without chunked prefill, max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be at least "
-           f"max_model_len ({cfg.max_model_len}), or a long prompt could never be scheduled")
+    _check(
+        cfg.max_num_batched_tokens >= cfg.max_num_seqs,
+        f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be at least max_num_seqs "
+        f"({cfg.max_num_seqs}): every running sequence needs a token of budget per step",
+    )
+    _check(
+        cfg.enable_chunked_prefill or cfg.max_num_batched_tokens >= cfg.max_model_len,
+        f"without chunked prefill, max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be at least "
+        f"max_model_len ({cfg.max_model_len}), or a long prompt could never be scheduled",
+    )
     bs = cfg.block_size
     _check(1 <= bs <= 1024 and bs & (bs - 1) == 0, f"block_size must be a power of two in [1, 1024], got {bs}")
-    _check(0 < cfg.gpu_memory_utilization <= 1,
-           f"gpu_memory_utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
+    _check(
+        0 < cfg.gpu_memory_utilization <= 1,
+        f"gpu_memory_utilization must be in (0, 1], got {cfg.gpu_memory_utilization}",
+    )
     _check(cfg.cpu_kvcache_space_gib > 0, f"cpu_kvcache_space_gib must be > 0, got {cfg.cpu_kvcache_space_gib}")
-    _check(cfg.num_kvcache_blocks is None or cfg.num_kvcache_blocks >= 1,
-           f"num_kvcache_blocks must be at least 1, got {cfg.num_kvcache_blocks}")
-    _check(-2**63 <= cfg.seed < 2**64, f"seed must fit in 64 bits, got {cfg.seed}")   # (torch.Generator's range)
+    _check(
+        cfg.num_kvcache_blocks is None or cfg.num_kvcache_blocks >= 1,
+        f"num_kvcache_blocks must be at least 1, got {cfg.num_kvcache_blocks}",
+    )
+    _check(-(2**63) <= cfg.seed < 2**64, f"seed must fit in 64 bits, got {cfg.seed}")  # (torch.Generator's range)
     tp = cfg.tensor_parallel_size
     _check(tp >= 1, f"tensor_parallel_size must be at least 1, got {tp}")
-    _check(hf.num_attention_heads % tp == 0 and hf.num_key_value_heads % tp == 0,
-           f"tensor_parallel_size {tp} must divide the number of attention heads ({hf.num_attention_heads}) "
-           f"and of KV heads ({hf.num_key_value_heads})")
-    _check(cfg.device != "cuda" or tp <= torch.cuda.device_count(),
-           f"tensor_parallel_size {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
+    _check(
+        hf.num_attention_heads % tp == 0 and hf.num_key_value_heads % tp == 0,
+        f"tensor_parallel_size {tp} must divide the number of attention heads ({hf.num_attention_heads}) "
+        f"and of KV heads ({hf.num_key_value_heads})",
+    )
+    _check(
+        cfg.device != "cuda" or tp <= torch.cuda.device_count(),
+        f"tensor_parallel_size {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible",
+    )
+
 
 # %% ../notebooks/09_model_runner.ipynb #a14b4343
-GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}   # as vLLM reads them
+GENERATION_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}  # as vLLM reads them
 
 
 @dataclass
 class Config:
     "The settings of one engine (vLLM's names), validated when it is made."
+
     model: str
     tensor_parallel_size: int = 1
-    max_model_len: int | None = None            # None: min(4096, the model's max_position_embeddings)
+    max_model_len: int | None = None  # None: min(4096, the model's max_position_embeddings)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
     gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False                 # True: no CUDA graphs
+    enforce_eager: bool = False  # True: no CUDA graphs
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     block_size: int = 16
-    dtype: str = "auto"                         # auto: the checkpoint's dtype on GPU, float32 on CPU
-    device: str = "auto"                        # auto: cuda when available, else cpu
+    dtype: str = "auto"  # auto: the checkpoint's dtype on GPU, float32 on CPU
+    device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0
-    num_kvcache_blocks: int | None = None       # fix the KV-cache size instead of measuring free memory
-    cpu_kvcache_space_gib: float = 1.0          # KV-cache memory on a CPU
-    attention_backend: str | None = None        # torch | triton | flash_attn; None: chosen once, here, per phase
-    skip_tokenizer_init: bool = False           # token ids in, token ids out (no text)
-    tokenizer: str | None = None                # a folder or Hub id whose tokenizer to use (None: the model's own)
-    async_scheduling: bool = True               # launch the next decode step before collecting this one
-    generation_config: str = "auto"             # auto: default sampling from generation_config.json; vllm: ignore it
-    load_format: str = "auto"                   # dummy: seeded random weights made in place (config.json suffices)
-    kv_cache_dtype: str = "auto"                # fp8: the KV cache in 8 bits (e4m3), half the bytes (notebook 06)
+    num_kvcache_blocks: int | None = None  # fix the KV-cache size instead of measuring free memory
+    cpu_kvcache_space_gib: float = 1.0  # KV-cache memory on a CPU
+    attention_backend: str | None = None  # torch | triton | flash_attn; None: chosen once, here, per phase
+    skip_tokenizer_init: bool = False  # token ids in, token ids out (no text)
+    tokenizer: str | None = None  # a folder or Hub id whose tokenizer to use (None: the model's own)
+    async_scheduling: bool = True  # launch the next decode step before collecting this one
+    generation_config: str = "auto"  # auto: default sampling from generation_config.json; vllm: ignore it
+    load_format: str = "auto"  # dummy: seeded random weights made in place (config.json suffices)
+    kv_cache_dtype: str = "auto"  # fp8: the KV cache in 8 bits (e4m3), half the bytes (notebook 06)
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
 
     def __post_init__(self):
         check_types(self)
         self.model = os.fspath(self.model) if isinstance(self.model, os.PathLike) else self.model
-        if self.hf_config is None:   # (given one, the caller knows where the model is)
-            self.model = resolve_model(self.model)   # a Hub id -> its folder in the local cache (notebook 08)
+        if self.hf_config is None:  # (given one, the caller knows where the model is)
+            self.model = resolve_model(self.model)  # a Hub id -> its folder in the local cache (notebook 08)
             self.hf_config = load_config(self.model)
         self.tokenizer = None if self.tokenizer is None else resolve_model(os.fspath(self.tokenizer))
         self.device = resolve_device(self.device)
@@ -149,16 +192,24 @@ class Config:
         if self.max_model_len is None:
             self.max_model_len = min(4096, self.hf_config.max_position_embeddings)
         check_sizes(self)
-        _check(self.generation_config in ("auto", "vllm"),
-               f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
-        _check(self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        _check(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"),
-               f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
+        _check(
+            self.generation_config in ("auto", "vllm"),
+            f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}",
+        )
+        _check(
+            self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}"
+        )
+        _check(
+            self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"),
+            f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}",
+        )
         self.cache_dtype = self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
-        _check(self.kv_cache_dtype == "auto" or self.attention_backend != "flash_attn",
-               "kv_cache_dtype='fp8' runs on minivllm's own kernels, not flash_attn: pick attention_backend "
-               "'triton' or 'torch'")
-        requested = self.attention_backend   # one backend for both phases, or None: each phase's faster (notebook 05)
+        _check(
+            self.kv_cache_dtype == "auto" or self.attention_backend != "flash_attn",
+            "kv_cache_dtype='fp8' runs on minivllm's own kernels, not flash_attn: pick attention_backend "
+            "'triton' or 'torch'",
+        )
+        requested = self.attention_backend  # one backend for both phases, or None: each phase's faster (notebook 05)
         self.attention_backend = select_backend(self.device, self.block_size, requested, self.cache_dtype, "decode")
         self.prefill_backend = select_backend(self.device, self.block_size, requested, self.cache_dtype, "prefill")
 
@@ -197,6 +248,7 @@ class Config:
         given = self.generation_defaults
         return {ours: given[theirs] for theirs, ours in GENERATION_FIELDS.items() if given.get(theirs) is not None}
 
+
 # %% ../notebooks/09_model_runner.ipynb #3c4dc650
 from typing import Callable, TypeVar
 
@@ -207,7 +259,10 @@ def takes_engine_arguments(init: _Init) -> _Init:
     "Show Config's fields as the keyword arguments of `init`, which passes its **kwargs on to Config (help, Shift-Tab)."
     sig = inspect.signature(init)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-               for f in fields(Config) if f.name not in ("model", "hf_config")]
+    params += [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in fields(Config)
+        if f.name not in ("model", "hf_config")
+    ]
     init.__signature__ = sig.replace(parameters=params)
     return init

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence as SequenceABC
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceABC
 from numbers import Integral
 
 from tqdm.auto import tqdm
@@ -19,11 +20,12 @@ def as_prompt_list(prompts) -> list[PromptType]:
     "One prompt (text, token ids or a prompt dict) or a list of prompts -> a list of prompts."
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if isinstance(prompts, SequenceABC) and not isinstance(prompts, (bytes, bytearray)):   # (bytes: no token ids)
+    if isinstance(prompts, SequenceABC) and not isinstance(prompts, (bytes, bytearray)):  # (bytes: no token ids)
         # one prompt of token ids (a stray non-int in it is reported as such), or many
         return [list(prompts)] if any(isinstance(t, Integral) for t in prompts) else list(prompts)
-    raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict or a list of these, "
-                    f"got {type(prompts).__name__}")
+    raise TypeError(
+        f"prompts must be a string, a list of token ids, a prompt dict or a list of these, got {type(prompts).__name__}"
+    )
 
 
 def params_list(params: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams | None]:
@@ -35,16 +37,20 @@ def params_list(params: SamplingParams | list[SamplingParams] | None, n: int) ->
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts: pass one, or exactly one per prompt")
     return list(params)
 
+
 # %% auto #0
-__all__ = ['as_prompt_list', 'params_list', 'Progress', 'LLM', 'chat_message']
+__all__ = ["as_prompt_list", "params_list", "Progress", "LLM", "chat_message"]
+
 
 # %% ../notebooks/10_llm_engine.ipynb #c744ae9e
 class Progress:
     "A tqdm bar over finished requests, with prefill and decode speeds from the engine's counters."
 
     def __init__(self, engine: LLMEngine, total: int, enabled: bool):
-        self.engine, self.bar = engine, tqdm(total=total, desc="Processed prompts", disable=not enabled,
-                                             dynamic_ncols=True)
+        self.engine, self.bar = (
+            engine,
+            tqdm(total=total, desc="Processed prompts", disable=not enabled, dynamic_ncols=True),
+        )
         s = engine.stats
         self.start = (s.num_prompt_tokens, s.prefill_time, s.num_generated_tokens, s.decode_time)
 
@@ -54,6 +60,7 @@ class Progress:
         decode = (s.num_generated_tokens - g0) / max(s.prefill_time + s.decode_time - pt0 - dt0, 1e-9)
         self.bar.set_postfix_str(f"prefill {prefill:,.0f} tok/s, decode {decode:,.0f} tok/s", refresh=False)
         self.bar.update(finished)
+
 
 # %% ../notebooks/10_llm_engine.ipynb #97ef8471
 class LLM:
@@ -79,19 +86,19 @@ class LLM:
         engine, prompts = self._engine(), as_prompt_list(prompts)
         params = params_list(sampling_params, len(prompts))
         checked = [engine.validate(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, params))]
-        before = set(engine.requests)   # requests a caller queued with add_request are not this call's to abort
+        before = set(engine.requests)  # requests a caller queued with add_request are not this call's to abort
         results: dict[str, RequestOutput] = {}
         progress = Progress(engine, len(checked), use_tqdm)
         try:
             ids = [engine._add(*c) for c in checked]
-            own = set(ids)   # other requests in the engine (from add_request) are stepped too, not returned
+            own = set(ids)  # other requests in the engine (from add_request) are stepped too, not returned
             while len(results) < len(ids):
                 if not engine.has_unfinished_requests():
                     raise RuntimeError("the engine has no unfinished requests but some outputs are missing")
                 done = [o for o in engine.step() if o.finished and o.request_id in own]
                 results.update((o.request_id, o) for o in done)
                 progress.update(len(done))
-        except BaseException:   # a failed step or Ctrl-C: this call's requests go, their blocks are freed
+        except BaseException:  # a failed step or Ctrl-C: this call's requests go, their blocks are freed
             for request_id in set(engine.requests) - before:
                 engine.abort_request(request_id)
             raise
@@ -99,41 +106,60 @@ class LLM:
             progress.bar.close()
         return [results[i] for i in ids]
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         "Complete every prompt; the outputs come back in the order of the prompts."
         return self._run(prompts, sampling_params, use_tqdm)
 
     # %% ../notebooks/10_llm_engine.ipynb #dee6f314
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate.
         `chat_template_kwargs` go to the template: Qwen3 answers without thinking first with {"enable_thinking": False}."""
-        return self._run(self.chat_prompts(messages, add_generation_prompt, chat_template_kwargs), sampling_params,
-                         use_tqdm)
+        return self._run(
+            self.chat_prompts(messages, add_generation_prompt, chat_template_kwargs), sampling_params, use_tqdm
+        )
 
-    def chat_prompts(self, messages: list[dict] | list[list[dict]], add_generation_prompt: bool = True,
-                     chat_template_kwargs: dict | None = None) -> list[str]:
+    def chat_prompts(
+        self,
+        messages: list[dict] | list[list[dict]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[str]:
         "The prompts `chat` generates from: each conversation through the tokenizer's chat template."
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer (the engine was made with skip_tokenizer_init=True)")
         if not isinstance(chat_template_kwargs, (dict, type(None))):
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
-        usage = "chat() takes a conversation (a list of message dicts such as {'role': 'user', 'content': 'Hi'}) or a list"
+        usage = (
+            "chat() takes a conversation (a list of message dicts such as {'role': 'user', 'content': 'Hi'}) or a list"
+        )
         if not isinstance(messages, (list, tuple)):
             raise TypeError(f"{usage} of them, got {type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         for i, c in enumerate(conversations):
             if not (isinstance(c, list) and c and all(isinstance(m, dict) for m in c)):
                 raise TypeError(f"{usage} of them; conversation {i} is {c!r:.60}")
-        conversations = [[chat_message(m, f"conversation {i}, message {j}") for j, m in enumerate(c)]
-                         for i, c in enumerate(conversations)]
+        conversations = [
+            [chat_message(m, f"conversation {i}, message {j}") for j, m in enumerate(c)]
+            for i, c in enumerate(conversations)
+        ]
         try:
-            return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  **(chat_template_kwargs or {})) for c in conversations]
-        except Exception as e:   # (jinja's errors: a template that rejects these messages, or raises by design)
+            return [
+                tokenizer.apply_chat_template(
+                    c, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+                )
+                for c in conversations
+            ]
+        except Exception as e:  # (jinja's errors: a template that rejects these messages, or raises by design)
             raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -148,12 +174,12 @@ class LLM:
                         finished = out.finished
                         yield out
         finally:
-            engine.abort_request(request_id)   # a no-op once finished; frees the blocks if the caller stopped early
+            engine.abort_request(request_id)  # a no-op once finished; frees the blocks if the caller stopped early
 
     # %% ../notebooks/10_llm_engine.ipynb #4cda4e5a
     def close(self) -> None:
         "Free the model and the KV cache (and stop worker processes, with tensor parallelism)."
-        engine = getattr(self, "llm_engine", None)   # absent when the constructor failed
+        engine = getattr(self, "llm_engine", None)  # absent when the constructor failed
         if engine is not None:
             self.llm_engine = None
             engine.close()
@@ -165,10 +191,11 @@ class LLM:
         self.close()
 
     def __del__(self):
-        try:   # (not contextlib.suppress: at interpreter exit the module's globals may be gone already)
+        try:  # (not contextlib.suppress: at interpreter exit the module's globals may be gone already)
             self.close()
         except Exception:
             pass
+
 
 # %% ../notebooks/10_llm_engine.ipynb #dee6f314
 def chat_message(message: dict, where: str) -> dict:
@@ -180,6 +207,7 @@ def chat_message(message: dict, where: str) -> dict:
         content = "\n".join(str(p.get("text", "")) for p in content)
         message = message | {"content": content}
     if not (isinstance(content, str) or content is None and "tool_calls" in message):
-        raise TypeError(f"{where}: 'content' must be a string or a list of text parts (no images here), "
-                        f"got {content!r:.60}")
+        raise TypeError(
+            f"{where}: 'content' must be a string or a list of text parts (no images here), got {content!r:.60}"
+        )
     return message

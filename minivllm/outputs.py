@@ -9,6 +9,7 @@ from dataclasses import dataclass
 @dataclass
 class Logprob:
     "A token's log-probability, its rank in the vocabulary (1: the most likely) and its text (vLLM's fields)."
+
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
@@ -17,13 +18,14 @@ class Logprob:
 @dataclass
 class CompletionOutput:
     "One generated completion (vLLM's fields)."
+
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, Logprob]] | None = None   # per token: the sampled one and the top `logprobs`
-    finish_reason: str | None = None        # "stop" | "length" | "abort"; None while running
-    stop_reason: int | str | None = None    # the stop token id or stop string that ended it
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: the sampled one and the top `logprobs`
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -32,6 +34,7 @@ class CompletionOutput:
 @dataclass
 class RequestMetrics:
     "When things happened to a request (seconds on `time.perf_counter`'s clock)."
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -54,19 +57,23 @@ class RequestMetrics:
 @dataclass
 class RequestOutput:
     "A request's prompt and its completion, as `LLM.generate` returns it (vLLM's fields)."
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    num_cached_tokens: int = 0              # prompt tokens found in the prefix cache
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # per prompt token (None for the first one)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token (None for the first one)
 
     def __repr__(self) -> str:
         out = self.outputs[0]
-        return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, text={out.text!r}, "
-                f"token_ids={out.token_ids}, finish_reason={out.finish_reason!r}, finished={self.finished})")
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, text={out.text!r}, "
+            f"token_ids={out.token_ids}, finish_reason={out.finish_reason!r}, finished={self.finished})"
+        )
+
 
 # %% auto #0
-__all__ = ['Logprob', 'CompletionOutput', 'RequestMetrics', 'RequestOutput']
+__all__ = ["Logprob", "CompletionOutput", "RequestMetrics", "RequestOutput"]

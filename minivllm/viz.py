@@ -6,8 +6,9 @@ from __future__ import annotations
 import io
 import itertools
 import math
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceLike
 from dataclasses import dataclass, field
-from collections.abc import Iterable, Sequence as SequenceLike
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -34,9 +35,18 @@ def _save(fig, path: str | None):
         fig.savefig(path, dpi=120, bbox_inches="tight")
     return fig
 
+
 # %% auto #0
-__all__ = ['FREE_CACHED_COLOR', 'seq_color', 'draw_fragmentation', 'KVSnapshot', 'take_snapshot', 'draw_kv_cache',
-           'kv_cache_player']
+__all__ = [
+    "FREE_CACHED_COLOR",
+    "seq_color",
+    "draw_fragmentation",
+    "KVSnapshot",
+    "take_snapshot",
+    "draw_kv_cache",
+    "kv_cache_player",
+]
+
 
 # %% ../notebooks/02_block_manager.ipynb #930216bc
 def draw_fragmentation(lengths: list[int], max_model_len: int, block_size: int, ax=None, path: str | None = None):
@@ -48,25 +58,28 @@ def draw_fragmentation(lengths: list[int], max_model_len: int, block_size: int, 
     ax.bar(xs, paged, color="#c9daf8", edgecolor="#3c78d8", label=f"paged (blocks of {block_size})")
     ax.bar(xs, lengths, width=0.5, color="#3c78d8", label="tokens used")
     used, reserved = sum(lengths), max_model_len * len(lengths)
-    ax.set_title(f"KV slots per request: reservation wastes {1 - used / reserved:.0%}, "
-                 f"paging {1 - used / sum(paged):.1%}")
+    ax.set_title(
+        f"KV slots per request: reservation wastes {1 - used / reserved:.0%}, paging {1 - used / sum(paged):.1%}"
+    )
     ax.set_xticks(list(xs), [f"req {i}" for i in xs])
     ax.set_ylabel("KV slots (tokens)")
     ax.legend(loc="upper right", fontsize=8, ncols=3)
     ax.set_ylim(0, max_model_len * 1.25)
     return _save(fig, path)
 
+
 # %% ../notebooks/02_block_manager.ipynb #206935a1
 @dataclass
 class KVSnapshot:
     "The KV cache's bookkeeping at one moment, as plain data (what `draw_kv_cache` draws; a recording is a list)."
+
     label: str
     block_size: int
-    ref_counts: list[int]                                       # per physical block; 0 = free
-    cached: list[bool]                                          # per physical block: in the prefix cache
-    free_order: list[int] = field(default_factory=list)         # free block ids, next to be reused first
+    ref_counts: list[int]  # per physical block; 0 = free
+    cached: list[bool]  # per physical block: in the prefix cache
+    free_order: list[int] = field(default_factory=list)  # free block ids, next to be reused first
     tables: dict[int, list[int]] = field(default_factory=dict)  # sequence id -> block table
-    num_tokens: dict[int, int] = field(default_factory=dict)    # sequence id -> tokens its table holds
+    num_tokens: dict[int, int] = field(default_factory=dict)  # sequence id -> tokens its table holds
 
     @property
     def num_blocks(self) -> int:
@@ -80,10 +93,15 @@ class KVSnapshot:
 def take_snapshot(block_manager: BlockManager, seqs: Iterable[Sequence], label: str = "") -> KVSnapshot:
     "Copy what the pictures need from a block manager and the sequences holding its blocks."
     seqs = list(seqs)
-    return KVSnapshot(label, block_manager.block_size,
-                      [b.ref_count for b in block_manager.blocks], [b.hash != -1 for b in block_manager.blocks],
-                      list(block_manager.free_blocks), {s.seq_id: list(s.block_table) for s in seqs},
-                      {s.seq_id: min(s.num_tokens, len(s.block_table) * s.block_size) for s in seqs})
+    return KVSnapshot(
+        label,
+        block_manager.block_size,
+        [b.ref_count for b in block_manager.blocks],
+        [b.hash != -1 for b in block_manager.blocks],
+        list(block_manager.free_blocks),
+        {s.seq_id: list(s.block_table) for s in seqs},
+        {s.seq_id: min(s.num_tokens, len(s.block_table) * s.block_size) for s in seqs},
+    )
 
 
 def _block_owners(snap: KVSnapshot) -> tuple[list[list[int]], list[int]]:
@@ -96,6 +114,7 @@ def _block_owners(snap: KVSnapshot) -> tuple[list[list[int]], list[int]]:
             fill[b] = max(fill[b], min(snap.block_size, snap.num_tokens[sid] - i * snap.block_size))
     return owners, fill
 
+
 # %% ../notebooks/02_block_manager.ipynb #502ea4a2
 def _draw_block(ax, x, y, owners, cached, ref_count, fill, block_size, label, reuse_rank=None):
     "One square: owners' colours in stripes, hatched when free but cached, a fill bar, the block id."
@@ -105,8 +124,16 @@ def _draw_block(ax, x, y, owners, cached, ref_count, fill, block_size, label, re
             ax.add_patch(Rectangle((x + k * w, y), w, 0.9, facecolor=seq_color(sid, 0.75), lw=0))
     elif cached:
         ax.add_patch(Rectangle((x, y), 0.9, 0.9, facecolor=FREE_CACHED_COLOR, hatch="///", edgecolor="#999999", lw=0))
-    ax.add_patch(Rectangle((x, y), 0.9, 0.9, fill=False, edgecolor="black" if ref_count > 1 else "#666666",
-                           lw=2.2 if ref_count > 1 else 0.8))
+    ax.add_patch(
+        Rectangle(
+            (x, y),
+            0.9,
+            0.9,
+            fill=False,
+            edgecolor="black" if ref_count > 1 else "#666666",
+            lw=2.2 if ref_count > 1 else 0.8,
+        )
+    )
     if fill:
         ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.8 * fill / block_size, 0.1, facecolor="black", lw=0))
     ax.text(x + 0.45, y + 0.5, label, ha="center", va="center", fontsize=8)
@@ -123,13 +150,20 @@ def _draw_pool_compact(ax, snap: KVSnapshot, owners: list[list[int]], per_row: i
     rows = math.ceil(snap.num_blocks / per_row)
     img = np.zeros((rows, per_row, 4))
     for b in range(snap.num_blocks):
-        img[b // per_row, b % per_row] = ((0, 0, 0, 1) if len(owners[b]) > 1 else seq_color(owners[b][0])
-                                          if owners[b] else to_rgba(FREE_CACHED_COLOR) if snap.cached[b]
-                                          else (1, 1, 1, 1))
+        img[b // per_row, b % per_row] = (
+            (0, 0, 0, 1)
+            if len(owners[b]) > 1
+            else seq_color(owners[b][0])
+            if owners[b]
+            else to_rgba(FREE_CACHED_COLOR)
+            if snap.cached[b]
+            else (1, 1, 1, 1)
+        )
     ax.imshow(img, interpolation="nearest", aspect="auto")
     ax.add_patch(Rectangle((-0.5, -0.5), per_row, rows, fill=False, edgecolor="#666666", lw=0.8))
     ax.set_xlim(-0.6, per_row - 0.4)
     ax.set_ylim(rows - 0.4, -0.6)
+
 
 # %% ../notebooks/02_block_manager.ipynb #5427a582
 def _kv_extent(snaps: Iterable[KVSnapshot], blocks_per_row: int | None = None) -> tuple[int, int, int]:
@@ -143,26 +177,50 @@ def _kv_extent(snaps: Iterable[KVSnapshot], blocks_per_row: int | None = None) -
 def _draw_tables_and_pool(ax, snap: KVSnapshot, owners, fill, extent: tuple[int, int, int]) -> None:
     "Block tables (one row per sequence) above the physical pool (one square per block), in a fixed frame."
     per_row, width, rows = extent
-    for k, (sid, table) in enumerate(snap.tables.items()):   # block tables, top rows
+    for k, (sid, table) in enumerate(snap.tables.items()):  # block tables, top rows
         y = -1 - k
         ax.text(-0.1, y + 0.45, f"seq {sid}", ha="right", va="center", fontsize=8, color=seq_color(sid))
         for i, b in enumerate(table):
-            ax.add_patch(Rectangle((i, y), 0.9, 0.9, facecolor=seq_color(sid, 0.35),
-                                   edgecolor="black", lw=2.2 if snap.ref_counts[b] > 1 else 0.6))
+            ax.add_patch(
+                Rectangle(
+                    (i, y),
+                    0.9,
+                    0.9,
+                    facecolor=seq_color(sid, 0.35),
+                    edgecolor="black",
+                    lw=2.2 if snap.ref_counts[b] > 1 else 0.6,
+                )
+            )
             ax.text(i + 0.45, y + 0.45, str(b), ha="center", va="center", fontsize=8)
-    y = -rows - 0.6                              # the pool stays put, however many tables are drawn
+    y = -rows - 0.6  # the pool stays put, however many tables are drawn
     ax.text(-0.1, y - 0.45, "pool", ha="right", va="center", fontsize=8)
     rank = {b: k + 1 for k, b in enumerate(snap.free_order)}
     for b in range(snap.num_blocks):
-        _draw_block(ax, b % per_row, y - 1 - b // per_row, owners[b], snap.cached[b], snap.ref_counts[b], fill[b],
-                    snap.block_size, str(b), rank.get(b))
+        _draw_block(
+            ax,
+            b % per_row,
+            y - 1 - b // per_row,
+            owners[b],
+            snap.cached[b],
+            snap.ref_counts[b],
+            fill[b],
+            snap.block_size,
+            str(b),
+            rank.get(b),
+        )
     ax.set_xlim(-1.6, width + 0.1)
     ax.set_ylim(y - math.ceil(snap.num_blocks / per_row) - 0.2, 0.2)
     ax.set_aspect("equal")
 
 
-def draw_kv_cache(snap: KVSnapshot, ax=None, blocks_per_row: int | None = None, compact: bool | None = None,
-                  path: str | None = None, extent: tuple[int, int, int] | None = None):
+def draw_kv_cache(
+    snap: KVSnapshot,
+    ax=None,
+    blocks_per_row: int | None = None,
+    compact: bool | None = None,
+    path: str | None = None,
+    extent: tuple[int, int, int] | None = None,
+):
     """Block tables (one row per sequence) above the physical pool (one square per block): owners' colours, shared
     blocks outlined with their ref count, free-but-cached blocks hatched grey, `c` = in the prefix cache,
     `#k` = k-th free block to be reused, bars = slots holding tokens. With many blocks or sequences (`compact`,
@@ -183,15 +241,31 @@ def draw_kv_cache(snap: KVSnapshot, ax=None, blocks_per_row: int | None = None, 
         _draw_tables_and_pool(ax, snap, owners, fill, extent)
     ax.axis("off")
     used = sum(r > 0 for r in snap.ref_counts)
-    ax.set_title(f"{snap.label}\n{used}/{snap.num_blocks} blocks in use ({len(snap.tables)} sequences), "
-                 f"{sum(snap.cached)} cached", fontsize=9)
-    hatch = {} if compact else {"hatch": "///", "edgecolor": "#999999"}   # the legend shows what the cells show
-    shared = (Patch(facecolor="black", label="shared") if compact
-              else Patch(facecolor="white", edgecolor="black", lw=2.2, label="shared"))
-    ax.legend(handles=[Patch(facecolor="white", edgecolor="#666666", label="free"),
-                       Patch(facecolor=FREE_CACHED_COLOR, label="free, cached", **hatch),
-                       shared], loc="upper center", bbox_to_anchor=(0.5, 0.0), ncols=3, fontsize=7, frameon=False)
+    ax.set_title(
+        f"{snap.label}\n{used}/{snap.num_blocks} blocks in use ({len(snap.tables)} sequences), "
+        f"{sum(snap.cached)} cached",
+        fontsize=9,
+    )
+    hatch = {} if compact else {"hatch": "///", "edgecolor": "#999999"}  # the legend shows what the cells show
+    shared = (
+        Patch(facecolor="black", label="shared")
+        if compact
+        else Patch(facecolor="white", edgecolor="black", lw=2.2, label="shared")
+    )
+    ax.legend(
+        handles=[
+            Patch(facecolor="white", edgecolor="#666666", label="free"),
+            Patch(facecolor=FREE_CACHED_COLOR, label="free, cached", **hatch),
+            shared,
+        ],
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.0),
+        ncols=3,
+        fontsize=7,
+        frameon=False,
+    )
     return _save(ax.figure, path)
+
 
 # %% ../notebooks/02_block_manager.ipynb #c612ddd4
 def _frame_png(snap: KVSnapshot, extent: tuple[int, int, int], dpi: int, **draw_kwargs) -> bytes:
@@ -202,15 +276,18 @@ def _frame_png(snap: KVSnapshot, extent: tuple[int, int, int], dpi: int, **draw_
     buf, out = io.BytesIO(), io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)
-    PIL.Image.open(buf).convert("RGB").quantize(colors=64).save(out, format="png", optimize=True)   # a quarter of the bytes
+    PIL.Image.open(buf).convert("RGB").quantize(colors=64).save(
+        out, format="png", optimize=True
+    )  # a quarter of the bytes
     return out.getvalue()
 
 
-_PLAYERS: dict[str, list] = {}   # key -> the widgets of the last player made with that key
+_PLAYERS: dict[str, list] = {}  # key -> the widgets of the last player made with that key
 
 
-def kv_cache_player(snapshots: SequenceLike[KVSnapshot], interval_ms: int = 900, key: str | None = None,
-                    dpi: int = 100, **draw_kwargs):
+def kv_cache_player(
+    snapshots: SequenceLike[KVSnapshot], interval_ms: int = 900, key: str | None = None, dpi: int = 100, **draw_kwargs
+):
     """A play button and a slider over a recording of `KVSnapshot`s. Every frame is drawn once, at one size, and the
     browser switches them (no kernel round trip). With a `key`, the widgets get fixed model ids (`key-0`, `key-1`,
     ...): a notebook's stored widget state then stays valid when the notebook runs again, and the player works in
@@ -220,12 +297,12 @@ def kv_cache_player(snapshots: SequenceLike[KVSnapshot], interval_ms: int = 900,
 
     if not snapshots:
         raise ValueError("kv_cache_player needs at least one snapshot")
-    for w in _PLAYERS.pop(key, []):   # the same key again (a cell run twice): close the old widgets first
+    for w in _PLAYERS.pop(key, []):  # the same key again (a cell run twice): close the old widgets first
         w.close()
     made, ids = [], itertools.count()
 
     def make(cls, *args, **kwargs):
-        if key is not None:   # fixed ids for the widget and for the layout and style it would make itself
+        if key is not None:  # fixed ids for the widget and for the layout and style it would make itself
             for name in ("layout", "style"):
                 if name in cls.class_traits() and name not in kwargs:
                     kwargs[name] = cls.class_traits()[name].klass(model_id=f"{key}-{next(ids)}")
@@ -240,7 +317,7 @@ def kv_cache_player(snapshots: SequenceLike[KVSnapshot], interval_ms: int = 900,
     play = make(widgets.Play, value=0, min=0, max=last, interval=interval_ms)
     slider = make(widgets.IntSlider, value=0, min=0, max=last, description="snapshot")
     stack = make(widgets.Stack, frames, selected_index=0)
-    make(Link, (play, "value"), (slider, "value"))                 # both links live in the browser
+    make(Link, (play, "value"), (slider, "value"))  # both links live in the browser
     make(DirectionalLink, (slider, "value"), (stack, "selected_index"))
     box = make(widgets.VBox, [make(widgets.HBox, [play, slider]), stack])
     if key is not None:

@@ -13,21 +13,31 @@ def plot_report(report: dict, path: str | None = None):
     rows = []
     if ("minivllm", "standard") in runs:
         std = runs[("minivllm", "standard")]
-        rows += [("roofline bound\n(standard)", std["roofline"]["max_output_tok_s"], "lightgray"),
-                 ("minivllm\n(standard)", std["output_tok_s"], "tab:blue")]
+        rows += [
+            ("roofline bound\n(standard)", std["roofline"]["max_output_tok_s"], "lightgray"),
+            ("minivllm\n(standard)", std["output_tok_s"], "tab:blue"),
+        ]
     for engine, colour in (("minivllm", "tab:blue"), ("transformers", "tab:orange")):
         if (engine, "side-by-side") in runs:
             rows.append((f"{engine}\n(side by side)", runs[(engine, "side-by-side")]["output_tok_s"], colour))
     for cache, colour in (("on", "tab:green"), ("off", "darkgray")):
         if ("minivllm", f"shared-prefix, cache {cache}") in runs:
-            rows.append((f"shared prefix,\ncache {cache}", runs[("minivllm", f"shared-prefix, cache {cache}")]
-                         ["output_tok_s"], colour))
+            rows.append(
+                (
+                    f"shared prefix,\ncache {cache}",
+                    runs[("minivllm", f"shared-prefix, cache {cache}")]["output_tok_s"],
+                    colour,
+                )
+            )
     bars.barh([r[0] for r in rows][::-1], [r[1] for r in rows][::-1], color=[r[2] for r in rows][::-1])
     for i, (_, value, _) in enumerate(rows[::-1]):
         bars.text(value, i, f" {value:,.0f}", va="center", fontsize=9)
     bars.set_xlabel("output tokens / s")
-    bars.set_title("throughput on " + report["environment"].get("gpu", "?") +
-                   (" (random weights)" if report.get("random_weights") else ""))
+    bars.set_title(
+        "throughput on "
+        + report["environment"].get("gpu", "?")
+        + (" (random weights)" if report.get("random_weights") else "")
+    )
     if ("minivllm", "standard") in runs:
         trace = runs[("minivllm", "standard")]["trace"]
         t = [r["t"] for r in trace]
@@ -47,12 +57,13 @@ def plot_report(report: dict, path: str | None = None):
         fig.savefig(path, dpi=120, bbox_inches="tight")
     return fig
 
+
 # %% auto #0
-__all__ = ['plot_report', 'plot_decode_steps', 'plot_serving']
+__all__ = ["plot_report", "plot_decode_steps", "plot_serving"]
+
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #6a100464
-def plot_decode_steps(measured: list[float], lines: dict[str, list[float]], batch: list[int],
-                      path: str | None = None):
+def plot_decode_steps(measured: list[float], lines: dict[str, list[float]], batch: list[int], path: str | None = None):
     "Each decode step's measured time (dots) and named model lines (ms, log scale), above the batch size."
     fig, (times, sizes) = plt.subplots(2, 1, figsize=(9, 4.8), sharex=True, gridspec_kw=dict(height_ratios=[2, 1]))
     times.semilogy([1e3 * t for t in measured], ".", ms=2, color="tab:blue", label="measured")
@@ -66,6 +77,7 @@ def plot_decode_steps(measured: list[float], lines: dict[str, list[float]], batc
     if path:
         fig.savefig(path, dpi=120, bbox_inches="tight")
     return fig
+
 
 # %% ../notebooks/13_qwen3_on_gpu.ipynb #0587795d
 def plot_serving(runs: list[dict], path: str | None = None):

@@ -32,5 +32,6 @@ def plot_latency_sweep(rows: list[dict], path: str | None = None):
         fig.savefig(path, dpi=110)
     return fig
 
+
 # %% auto #0
-__all__ = ['plot_latency_sweep']
+__all__ = ["plot_latency_sweep"]

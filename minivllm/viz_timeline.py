@@ -22,7 +22,7 @@ def _spans_by_row(records: SequenceLike[StepRecord], use_time: bool):
     spans: dict[tuple[int, str], list[tuple[float, float, int]]] = {}
     marks: dict[str, list[tuple[float, int]]] = {"preempted": [], "finished": []}
     tokens: dict[str, list[int]] = {kind: [0] * len(records) for kind in COLORS}
-    recomputing: set[int] = set()   # preempted, and not yet back to sampling
+    recomputing: set[int] = set()  # preempted, and not yet back to sampling
     for i, r in enumerate(records):
         x0, x1 = r.span(use_time)
         for sid in r.preempted:
@@ -43,19 +43,31 @@ def _spans_by_row(records: SequenceLike[StepRecord], use_time: bool):
 def legend_handles() -> list:
     return [Patch(color=c, label=k) for k, c in COLORS.items()] + [
         Line2D([], [], marker="x", ls="", color="black", label="preempted"),
-        Line2D([], [], marker="o", ls="", color="black", label="finished")]
+        Line2D([], [], marker="o", ls="", color="black", label="finished"),
+    ]
+
 
 # %% auto #0
-__all__ = ['PREFILL_COLOR', 'DECODE_COLOR', 'RECOMPUTE_COLOR', 'KV_COLOR', 'COLORS', 'legend_handles', 'draw_timeline',
-           'compare_timelines']
+__all__ = [
+    "PREFILL_COLOR",
+    "DECODE_COLOR",
+    "RECOMPUTE_COLOR",
+    "KV_COLOR",
+    "COLORS",
+    "legend_handles",
+    "draw_timeline",
+    "compare_timelines",
+]
+
 
 # %% ../notebooks/03_scheduler.ipynb #bfaba4a7
 def _draw_rows(ax, rows, spans, marks, label_chunks: bool, fontsize: float) -> None:
     "One row per request: its prompt chunks, decodes and recomputes, x where it was preempted, a dot where it ended."
     for (sid, kind), bars in spans.items():
         y = rows[sid]
-        ax.broken_barh([(x, w) for x, w, _ in bars], (y - 0.35, 0.7), facecolors=COLORS[kind],
-                       edgecolor="white", linewidth=0.3)
+        ax.broken_barh(
+            [(x, w) for x, w, _ in bars], (y - 0.35, 0.7), facecolors=COLORS[kind], edgecolor="white", linewidth=0.3
+        )
         if label_chunks and kind != "decode":
             for x, w, n in bars:
                 ax.text(x + w / 2, y, str(n), ha="center", va="center", fontsize=fontsize - 2)
@@ -76,14 +88,24 @@ def _draw_tokens(ax, xs, ws, tokens: dict[str, list[int]], budget: int | None, f
     if budget:
         ax.axhline(budget, color="black", ls="--", lw=0.8)
         ax.set_ylim(top=max(ax.get_ylim()[1], budget * 1.25))
-        ax.text(0.995, budget, "budget", transform=ax.get_yaxis_transform(), ha="right", va="bottom",
-                fontsize=fontsize - 2)
+        ax.text(
+            0.995, budget, "budget", transform=ax.get_yaxis_transform(), ha="right", va="bottom", fontsize=fontsize - 2
+        )
     ax.set_ylabel("tokens")
 
+
 # %% ../notebooks/03_scheduler.ipynb #b75b1d84
-def draw_timeline(records: SequenceLike[StepRecord], axes=None, use_time: bool = False, budget: int | None = None,
-                  title: str = "", label_chunks: bool | None = None, path: str | None = None, fontsize: float = 10,
-                  legend: bool = True):
+def draw_timeline(
+    records: SequenceLike[StepRecord],
+    axes=None,
+    use_time: bool = False,
+    budget: int | None = None,
+    title: str = "",
+    label_chunks: bool | None = None,
+    path: str | None = None,
+    fontsize: float = 10,
+    legend: bool = True,
+):
     """Draw scheduler steps: per request, its prompt chunks, decodes and recomputes (x = preempted, dot = finished);
     below, tokens per step against the budget, and KV-cache occupancy. `axes`: 1 to 3 axes, the panels to draw."""
     if not records:
@@ -96,9 +118,15 @@ def draw_timeline(records: SequenceLike[StepRecord], axes=None, use_time: bool =
     with plt.rc_context({"font.size": fontsize}):
         _draw_rows(axes[0], rows, spans, marks, label_chunks, fontsize)
         axes[0].set_title(title, fontsize=fontsize + 1, loc="left", pad=fontsize * 2.6 if legend else 6)
-        if legend:   # between the title and the axes
-            axes[0].legend(handles=legend_handles(), ncols=5, loc="lower left", bbox_to_anchor=(0.0, 1.0),
-                           frameon=False, fontsize=fontsize - 1)
+        if legend:  # between the title and the axes
+            axes[0].legend(
+                handles=legend_handles(),
+                ncols=5,
+                loc="lower left",
+                bbox_to_anchor=(0.0, 1.0),
+                frameon=False,
+                fontsize=fontsize - 1,
+            )
         xs = [r.span(use_time)[0] for r in records]
         ws = [r.span(use_time)[1] - x for r, x in zip(records, xs)]
         if len(axes) > 1:
@@ -116,14 +144,32 @@ def draw_timeline(records: SequenceLike[StepRecord], axes=None, use_time: bool =
     return fig
 
 
-def compare_timelines(runs: dict[str, SequenceLike[StepRecord]], use_time: bool = True, budget: int | None = None,
-                      fontsize: float = 11, path: str | None = None):
+def compare_timelines(
+    runs: dict[str, SequenceLike[StepRecord]],
+    use_time: bool = True,
+    budget: int | None = None,
+    fontsize: float = 11,
+    path: str | None = None,
+):
     "Several runs stacked on one x axis, each as its timeline over its tokens per step, with one legend on top."
-    fig, axes = plt.subplots(2 * len(runs), 1, figsize=(10, 3.1 * len(runs)), sharex=True, layout="constrained",
-                             height_ratios=[r for _ in runs for r in (2.2, 1)])
+    fig, axes = plt.subplots(
+        2 * len(runs),
+        1,
+        figsize=(10, 3.1 * len(runs)),
+        sharex=True,
+        layout="constrained",
+        height_ratios=[r for _ in runs for r in (2.2, 1)],
+    )
     for i, (name, records) in enumerate(runs.items()):
-        draw_timeline(records, axes=axes[2 * i:2 * i + 2], use_time=use_time, budget=budget, title=name,
-                      fontsize=fontsize, legend=False)
+        draw_timeline(
+            records,
+            axes=axes[2 * i : 2 * i + 2],
+            use_time=use_time,
+            budget=budget,
+            title=name,
+            fontsize=fontsize,
+            legend=False,
+        )
     for ax in axes[:-1]:
         ax.set_xlabel("")
     fig.legend(handles=legend_handles(), loc="outside upper center", ncols=5, frameon=False, fontsize=fontsize)

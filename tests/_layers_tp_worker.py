@@ -5,6 +5,7 @@ Each rank of a real `torch.distributed` gloo group builds the tensor-parallel la
 loaders, and checks its output, after the layers' own all-reduce / all-gather, against the full single-process
 computation.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,12 @@ def check_layers(rank: int, world_size: int) -> None:
     tp = TPGroup(rank, world_size, dist.group.WORLD, dist.group.WORLD)
     torch.manual_seed(0)  # the same full weights and inputs on every rank
     hidden, inter, vocab, n = 16, 24, 37, 5  # vocab 37 does not divide by 2: padding on the last rank
-    w_gate, w_up, w_down, b_down = (torch.randn(inter, hidden), torch.randn(inter, hidden),
-                                    torch.randn(hidden, inter), torch.randn(hidden))
+    w_gate, w_up, w_down, b_down = (
+        torch.randn(inter, hidden),
+        torch.randn(inter, hidden),
+        torch.randn(hidden, inter),
+        torch.randn(hidden),
+    )
     emb = torch.randn(vocab, hidden)
     x, ids = torch.randn(n, hidden), torch.randint(0, vocab, (n,))
 

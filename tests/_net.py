@@ -1,4 +1,5 @@
 "Helpers the tests share for servers and processes: a free local port, and polling with a deadline."
+
 from __future__ import annotations
 
 import socket

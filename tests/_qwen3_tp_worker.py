@@ -4,6 +4,7 @@ Each rank of a 2-process gloo group builds the folder's model (Qwen3, or Qwen3-M
 the full checkpoint (each weight_loader cuts this rank's shard), runs a packed prefill, and checks the logits, which
 every rank gets whole after the LM head's all-gather, against transformers on the full model.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,7 @@ def check_folder(folder: str, rank: int, world_size: int) -> None:
 
     config = load_config(folder)
     tp = TPGroup(rank, world_size, dist.group.WORLD, dist.group.WORLD)
-    model = build_model(config, folder, torch.float32, torch.device("cpu"), tp)   # the family's class and mapping
+    model = build_model(config, folder, torch.float32, torch.device("cpu"), tp)  # the family's class and mapping
     attn = model.model.layers[0].self_attn
     assert attn.num_heads == config.num_attention_heads // world_size
     assert attn.num_kv_heads == max(1, config.num_key_value_heads // world_size)

@@ -8,6 +8,7 @@ group and takes it down before it returns, as the checks always did. A job that 
 time limit, fails the test with the ranks' tracebacks; the pool is then ended (a rank may be stuck in a collective) and
 the next job starts a new one.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -15,31 +16,35 @@ import queue
 import time
 import traceback
 
-exchange = None   # in a rank: a queue both ranks share (rank 0 passes rank 1 the port of the store it serves)
+exchange = None  # in a rank: a queue both ranks share (rank 0 passes rank 1 the port of the store it serves)
 
 
 def serve(rank: int, jobs, results, shared) -> None:
     "A rank's loop: run each job, report (rank, ok, value or traceback); None ends it."
     global exchange
     import torch
-    torch.set_num_threads(1)   # two ranks on the CPU: one thread each (the tiny shapes need no more)
+
+    torch.set_num_threads(1)  # two ranks on the CPU: one thread each (the tiny shapes need no more)
     exchange = shared
     while (job := jobs.get()) is not None:
         module, name, args = job
         try:
             results.put((rank, True, getattr(importlib.import_module(module), name)(rank, *args)))
-        except BaseException:   # (an assertion of the check, say: the test shows it)
+        except BaseException:  # (an assertion of the check, say: the test shows it)
             results.put((rank, False, traceback.format_exc()))
 
 
 class RankPool:
     def __init__(self):
         import multiprocessing as mp
+
         ctx = mp.get_context("spawn")
         # (every queue is kept here: one dropped while a child still unpickles it is gone before the child sees it)
         self.jobs, self.results, self.shared = [ctx.Queue(), ctx.Queue()], ctx.Queue(), ctx.Queue()
-        self.procs = [ctx.Process(target=serve, args=(rank, self.jobs[rank], self.results, self.shared), daemon=True)
-                      for rank in range(2)]
+        self.procs = [
+            ctx.Process(target=serve, args=(rank, self.jobs[rank], self.results, self.shared), daemon=True)
+            for rank in range(2)
+        ]
         for p in self.procs:
             p.start()
 
@@ -52,7 +57,7 @@ class RankPool:
         for q in self.jobs:
             q.put((module, name, args))
         done, errors, deadline = {}, {}, time.monotonic() + timeout
-        while len(done) < 2 and not errors:   # (after an error the other rank may wait in a collective for ever)
+        while len(done) < 2 and not errors:  # (after an error the other rank may wait in a collective for ever)
             try:
                 rank, ok, value = self.results.get(timeout=1.0)
                 (done if ok else errors)[rank] = value
@@ -63,8 +68,9 @@ class RankPool:
                     errors["timeout"] = f"no answer within {timeout:.0f} s (ranks answered: {sorted(done)})"
         if errors:
             self.close()
-            raise AssertionError(f"{module}.{name} failed:\n" + "\n".join(f"--- rank {r} ---\n{v}"
-                                                                          for r, v in errors.items()))
+            raise AssertionError(
+                f"{module}.{name} failed:\n" + "\n".join(f"--- rank {r} ---\n{v}" for r, v in errors.items())
+            )
         return done
 
     def close(self) -> None:

@@ -5,14 +5,15 @@ builds a `ModelRunner` whose own CPU budget for the KV cache is `budgets[rank]`,
 sized its cache for. Rank 0 serves the group's store (`master_store`, on a port the OS picks) and passes its port to
 rank 1 through the pool's shared queue.
 """
+
 from __future__ import annotations
 
 
 def run(rank: int, budgets: list[float]) -> int:
+    import _rank_pool
     import torch
     import torch.distributed as dist
 
-    import _rank_pool
     from minivllm import TINY_MODEL_PATH
     from minivllm.config import Config
     from minivllm.distributed.launch import join_group, leave_group, master_store
@@ -25,8 +26,14 @@ def run(rank: int, budgets: list[float]) -> int:
         store = dist.TCPStore("127.0.0.1", _rank_pool.exchange.get(timeout=120), 2, is_master=False)
     tp = join_group(rank, 2, torch.device("cpu"), store)
     try:
-        config = Config(TINY_MODEL_PATH, tensor_parallel_size=2, device="cpu", max_model_len=256, max_num_seqs=256,
-                        cpu_kvcache_space_gib=budgets[rank])
+        config = Config(
+            TINY_MODEL_PATH,
+            tensor_parallel_size=2,
+            device="cpu",
+            max_model_len=256,
+            max_num_seqs=256,
+            cpu_kvcache_space_gib=budgets[rank],
+        )
         runner = ModelRunner(config, rank, tp)
         blocks = runner.num_blocks
         runner.close()

@@ -7,6 +7,7 @@ collections walks the whole heap again (0.3-0.6 s each here, hundreds of them in
 themselves (engines, sequences, requests, KV caches) are made after the freeze: they are collected, and seen by
 `gc.get_objects()`, exactly as before, so the checks of what is freed or left alive are unchanged.
 """
+
 from __future__ import annotations
 
 import gc
@@ -19,7 +20,8 @@ import pytest
 
 def pytest_collection_finish(session):
     import hypothesis  # noqa: F401  (its plugins register PRNGs, checking their referrers: before the freeze hides them)
-    gc.collect()   # (nothing that is garbage now is kept for ever)
+
+    gc.collect()  # (nothing that is garbage now is kept for ever)
     gc.freeze()
 
 
@@ -37,10 +39,12 @@ def rank_pool(_rank_pools):
     a new pair after a job that failed."""
     import os
     import sys
+
     here = os.path.dirname(__file__)
-    if here not in sys.path:   # (the ranks import the check modules from here)
+    if here not in sys.path:  # (the ranks import the check modules from here)
         sys.path.insert(0, here)
     from _rank_pool import RankPool
+
     if not _rank_pools or not _rank_pools[-1].alive:
         _rank_pools.append(RankPool())
     return _rank_pools[-1]

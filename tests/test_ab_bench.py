@@ -1,5 +1,6 @@
 """tools/ab_bench.py, the same-call A/B of the GPU benchmark, on fake `minivllm` trees whose `minivllm.bench` writes a
 results file at once: the alternation, the trees and environments each run gets, the medians, B/A and the summary."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -12,7 +13,7 @@ import pytest
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "ab_bench.py"
 
-FAKE_BENCH = '''
+FAKE_BENCH = """
 import json, os, sys, time
 from pathlib import Path
 RATE = {rate}
@@ -32,7 +33,7 @@ results = dict(environment=dict(gpu="fake"), peaks=dict(bandwidth=4.3e12, flops=
                latency=dict(single_stream=dict(output_tok_s=rate / 10),
                             decode_steps=[dict(batch=1, step_ms=1.0 + k), dict(batch=8, step_ms=2.0)]))
 Path(sys.argv[sys.argv.index("--out") + 1]).write_text(json.dumps(results))
-'''
+"""
 
 
 def fake_tree(folder: Path, rate: float) -> Path:
@@ -45,8 +46,14 @@ def fake_tree(folder: Path, rate: float) -> Path:
 
 def run_tool(*args: str, log: Path, **env: str) -> subprocess.CompletedProcess:
     import os
-    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, FAKE_LOG=str(log), **env))
+
+    return subprocess.run(
+        [sys.executable, str(TOOL), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, FAKE_LOG=str(log), **env),
+    )
 
 
 @pytest.fixture
@@ -60,12 +67,25 @@ def tool():
 def test_two_trees_alternate_and_the_summary_has_medians_and_ratio(tmp_path):
     a, b = fake_tree(tmp_path / "tree_a", 100.0), fake_tree(tmp_path / "tree_b", 110.0)
     log, out = tmp_path / "order.log", tmp_path / "ab.json"
-    done = run_tool("--tree-a", str(a), "--tree-b", str(b), "--out", str(out), "--work-dir", str(tmp_path / "w"),
-                    "--", "--latency", "--skip-standard", log=log)
+    done = run_tool(
+        "--tree-a",
+        str(a),
+        "--tree-b",
+        str(b),
+        "--out",
+        str(out),
+        "--work-dir",
+        str(tmp_path / "w"),
+        "--",
+        "--latency",
+        "--skip-standard",
+        log=log,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     # each run in its own process, A B A B A B, the bench's own arguments passed on (the tool adds --out)
-    assert log.read_text().splitlines() == ["tree_a - --latency --skip-standard",
-                                            "tree_b - --latency --skip-standard"] * 3
+    assert (
+        log.read_text().splitlines() == ["tree_a - --latency --skip-standard", "tree_b - --latency --skip-standard"] * 3
+    )
     summary = json.loads(out.read_text())
     assert summary["complete"] and summary["order"] == ["A", "B"] * 3
     assert [r["arm"] for r in summary["runs"]] == ["A", "B"] * 3 and all(r["returncode"] == 0 for r in summary["runs"])
@@ -77,7 +97,7 @@ def test_two_trees_alternate_and_the_summary_has_medians_and_ratio(tmp_path):
     assert summary["medians"]["decode step ms, batch 1"]["A_runs"] == [1, 2, 3]
     assert summary["medians"]["decode step ms, batch 8"]["ratio"] == 1
     assert summary["medians"]["card copy TB/s"]["A"] == 4.3 and summary["medians"]["card bf16 TFLOP/s"]["ratio"] == 1
-    assert "trace" not in summary["runs"][0]["results"]["runs"][0]             # the traces stay in the run's file
+    assert "trace" not in summary["runs"][0]["results"]["runs"][0]  # the traces stay in the run's file
     assert json.loads((tmp_path / "w" / "run1_A.json").read_text())["runs"][0]["trace"]
     assert "standard output tok/s" in done.stdout and "1.099" in done.stdout  # the table: 111 / 101
 
@@ -85,13 +105,24 @@ def test_two_trees_alternate_and_the_summary_has_medians_and_ratio(tmp_path):
 def test_one_tree_two_environments(tmp_path):
     tree = fake_tree(tmp_path / "tree", 100.0)
     log, out = tmp_path / "order.log", tmp_path / "ab.json"
-    done = run_tool("--tree-b", str(tree), "--env-a", "FAKE_SCALE=1", "--env-b", "FAKE_SCALE=2", "--runs", "4",
-                    "--out", str(out), log=log)
+    done = run_tool(
+        "--tree-b",
+        str(tree),
+        "--env-a",
+        "FAKE_SCALE=1",
+        "--env-b",
+        "FAKE_SCALE=2",
+        "--runs",
+        "4",
+        "--out",
+        str(out),
+        log=log,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert log.read_text().splitlines() == ["tree 1 ", "tree 2 "] * 4
     summary = json.loads(out.read_text())
     assert summary["arms"]["A"]["env"] == {"FAKE_SCALE": "1"} and summary["arms"]["B"]["env"] == {"FAKE_SCALE": "2"}
-    std = summary["medians"]["standard output tok/s"]        # one tree: runs 0, 2, 4, 6 are A's; 1, 3, 5, 7 B's
+    std = summary["medians"]["standard output tok/s"]  # one tree: runs 0, 2, 4, 6 are A's; 1, 3, 5, 7 B's
     assert std["A_runs"] == [100, 102, 104, 106] and std["B_runs"] == [201, 203, 205, 207]
     assert std["A"] == 103 and std["B"] == 204
 
@@ -104,7 +135,7 @@ def test_the_base_tree_from_a_commit(tmp_path, tool):
     subprocess.run(git[:3] + ["init", "-q"], check=True)
     subprocess.run(git + ["add", "."], check=True)
     subprocess.run(git + ["commit", "-qm", "base"], check=True)
-    (repo / "minivllm" / "bench.py").write_text(FAKE_BENCH.format(rate=120.0))   # B: the working tree, changed
+    (repo / "minivllm" / "bench.py").write_text(FAKE_BENCH.format(rate=120.0))  # B: the working tree, changed
     log, out, base = tmp_path / "order.log", tmp_path / "ab.json", tmp_path / "carry" / "ab_base"
     done = run_tool("--repo", str(repo), "--base-commit", "HEAD", "--base-dir", str(base), "--prepare-only", log=log)
     assert done.returncode == 0 and not log.exists(), done.stderr
@@ -116,23 +147,25 @@ def test_the_base_tree_from_a_commit(tmp_path, tool):
     summary = json.loads(out.read_text())
     assert summary["arms"]["A"]["commit"] == head
     assert summary["medians"]["standard output tok/s"]["ratio"] == pytest.approx(121 / 101)
-    assert tool.make_base_tree(repo, "HEAD", tmp_path / "again") == head     # the same, in this process
+    assert tool.make_base_tree(repo, "HEAD", tmp_path / "again") == head  # the same, in this process
 
 
 def test_bench_cmd_a_failed_run_and_the_time_budget(tmp_path):
     a, b = fake_tree(tmp_path / "a", 100.0), fake_tree(tmp_path / "b", 100.0)
     log, out = tmp_path / "order.log", tmp_path / "ab.json"
     cmd = f"{sys.executable} -P -m minivllm.bench"
-    done = run_tool("--tree-a", str(a), "--tree-b", str(b), "--bench-cmd", cmd, "--out", str(out), log=log,
-                    FAKE_FAIL="b")
+    done = run_tool(
+        "--tree-a", str(a), "--tree-b", str(b), "--bench-cmd", cmd, "--out", str(out), log=log, FAKE_FAIL="b"
+    )
     assert done.returncode == 1 and "FAILED (3)" in done.stdout
     summary = json.loads(out.read_text())
     assert [(r["arm"], r["returncode"]) for r in summary["runs"]] == [("A", 0), ("B", 3)]
     assert not summary["complete"] and "run 2 (B) failed" in summary["stopped"]
     assert summary["medians"]["standard output tok/s"]["B"] is None
     out.unlink()
-    done = run_tool("--tree-a", str(a), "--tree-b", str(b), "--max-seconds", "2.5", "--out", str(out), log=log,
-                    FAKE_SLEEP="1.0")
+    done = run_tool(
+        "--tree-a", str(a), "--tree-b", str(b), "--max-seconds", "2.5", "--out", str(out), log=log, FAKE_SLEEP="1.0"
+    )
     summary = json.loads(out.read_text())
     assert done.returncode == 1 and not summary["complete"] and "--max-seconds" in summary["stopped"]
     assert 1 <= len(summary["runs"]) < 6
@@ -146,7 +179,8 @@ def test_refusals(tmp_path, tool):
     assert done.returncode != 0 and "KEY=VALUE" in done.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(SystemExit, match="would import minivllm from"):       # no package there: not this tree's
+    with pytest.raises(SystemExit, match="would import minivllm from"):  # no package there: not this tree's
         tool.check_tree(empty, tool.run_env(empty, {}))
     assert tool.metrics({"runs": [dict(engine="transformers", workload="side-by-side", output_tok_s=5.0)]}) == {
-        "side-by-side (transformers) output tok/s": 5.0}
+        "side-by-side (transformers) output tok/s": 5.0
+    }

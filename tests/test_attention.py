@@ -7,6 +7,7 @@ The layer runs on CUDA tensors where there is a GPU; without one its Triton back
 (TRITON_INTERPRET is set before any kernel module is imported; see tests/test_kernels.py). flash-attn tests skip
 unless flash_attn is importable on a GPU.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,14 +22,25 @@ import torch.nn.functional as F  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from minivllm.kernels.reference import (causal_attention_ref, gather_kv, paged_attention_ref,  # noqa: E402
-                                        store_kvcache_ref, varlen_attention_ref)
-from minivllm.kernels.torch_attention import (causal_attention_sdpa, decode_groups, gather_padded_kv,  # noqa: E402
-                                              paged_attention_torch, paged_decode_torch, store_kvcache_torch,
-                                              varlen_attention_torch)
 from minivllm.kernels import backends, kept_decode_kv  # noqa: E402
-from minivllm.kernels.kept_decode_kv import KeptDecodeKV, paged_decode_kept  # noqa: E402
 from minivllm.kernels.backends import BACKEND_ENV, select_backend  # noqa: E402
+from minivllm.kernels.kept_decode_kv import KeptDecodeKV, paged_decode_kept  # noqa: E402
+from minivllm.kernels.reference import (
+    causal_attention_ref,
+    gather_kv,
+    paged_attention_ref,  # noqa: E402
+    store_kvcache_ref,
+    varlen_attention_ref,
+)
+from minivllm.kernels.torch_attention import (
+    causal_attention_sdpa,
+    decode_groups,
+    gather_padded_kv,  # noqa: E402
+    paged_attention_torch,
+    paged_decode_torch,
+    store_kvcache_torch,
+    varlen_attention_torch,
+)
 from minivllm.layers.attention import Attention, AttentionMetadata  # noqa: E402
 
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -43,9 +55,13 @@ def _clean_backend_env(monkeypatch):
 def dense_causal(q, k, v, scale):
     "Naive attention over a whole sequence [n, heads, dim], no paging: PyTorch's SDPA with is_causal."
     group = q.shape[1] // k.shape[1]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.repeat_interleave(group, 1).transpose(0, 1).float(),
-                                       v.repeat_interleave(group, 1).transpose(0, 1).float(), is_causal=True,
-                                       scale=scale)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).float(),
+        k.repeat_interleave(group, 1).transpose(0, 1).float(),
+        v.repeat_interleave(group, 1).transpose(0, 1).float(),
+        is_causal=True,
+        scale=scale,
+    )
     return o.transpose(0, 1).to(q.dtype)
 
 
@@ -54,11 +70,11 @@ class Step:
 
     def __init__(self, q_lens, ctx_lens, block_size, heads, kv_heads, dim=8, seed=0, device="cpu"):
         g = torch.Generator().manual_seed(seed)
-        self.q_lens, self.ctx_lens, self.scale = q_lens, ctx_lens, dim ** -0.5
+        self.q_lens, self.ctx_lens, self.scale = q_lens, ctx_lens, dim**-0.5
         self.full = [tuple(torch.randn(n, h, dim, generator=g) for h in (heads, kv_heads, kv_heads)) for n in ctx_lens]
         need = [-(-n // block_size) for n in ctx_lens]
         perm = torch.randperm(sum(need) + 2, generator=g).tolist()
-        self.tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
+        self.tables = [perm[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(need))]
         self.k_cache = torch.zeros(sum(need) + 2, block_size, kv_heads, dim)
         self.v_cache = torch.zeros_like(self.k_cache)
         for (_, k, v), n, m, table in zip(self.full, ctx_lens, q_lens, self.tables):
@@ -66,8 +82,9 @@ class Step:
                 self.k_cache[table[p // block_size], p % block_size] = k[p]
                 self.v_cache[table[p // block_size], p % block_size] = v[p]
         self.ctx = AttentionMetadata.build(q_lens, ctx_lens, self.tables, block_size)
-        self.q, self.k, self.v = (torch.cat([f[i][n - m:] for f, n, m in zip(self.full, ctx_lens, q_lens)])
-                                  for i in range(3))
+        self.q, self.k, self.v = (
+            torch.cat([f[i][n - m :] for f, n, m in zip(self.full, ctx_lens, q_lens)]) for i in range(3)
+        )
         if device != "cpu":
             for name in ("k_cache", "v_cache", "q", "k", "v"):
                 setattr(self, name, getattr(self, name).to(device))
@@ -75,14 +92,19 @@ class Step:
 
     def dense(self):
         "The step's expected output, from naive dense attention over each whole sequence."
-        return torch.cat([dense_causal(q, k, v, self.scale)[n - m:]
-                          for (q, k, v), n, m in zip(self.full, self.ctx_lens, self.q_lens)])
+        return torch.cat(
+            [
+                dense_causal(q, k, v, self.scale)[n - m :]
+                for (q, k, v), n, m in zip(self.full, self.ctx_lens, self.q_lens)
+            ]
+        )
 
 
-MIXED = dict(q_lens=[1, 5, 6, 1, 11], ctx_lens=[7, 9, 6, 1, 30])   # decode, chunk over a prefix, fresh prompts
+MIXED = dict(q_lens=[1, 5, 6, 1, 11], ctx_lens=[7, 9, 6, 1, 30])  # decode, chunk over a prefix, fresh prompts
 
 
 # ---------------------------------------------------------------- metadata
+
 
 def test_attention_metadata_build_running_example():
     ctx = AttentionMetadata.build([1, 5, 6], [7, 9, 6], [[3, 9], [5, 2, 7], [0, 11]], 4)
@@ -111,13 +133,21 @@ def test_attention_metadata_defaults_and_decode_only():
 
 # ---------------------------------------------------------------- the reference, proved
 
+
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_reference_matches_dense_causal_attention(block_size, group):
     step = Step(MIXED["q_lens"], MIXED["ctx_lens"], block_size, heads=2 * group, kv_heads=2, seed=group)
     store_kvcache_ref(step.k, step.v, step.k_cache, step.v_cache, step.ctx.slot_mapping)
-    out = paged_attention_ref(step.q, step.k_cache, step.v_cache, step.ctx.cu_seqlens_q, step.ctx.context_lens,
-                              step.ctx.block_tables, step.scale)
+    out = paged_attention_ref(
+        step.q,
+        step.k_cache,
+        step.v_cache,
+        step.ctx.cu_seqlens_q,
+        step.ctx.context_lens,
+        step.ctx.block_tables,
+        step.scale,
+    )
     torch.testing.assert_close(out, step.dense(), **TOL)
 
 
@@ -130,7 +160,7 @@ def test_gather_kv_and_store_ref():
     assert torch.equal(gather_kv(step.k_cache, step.ctx.block_tables[0], 10), step.full[0][1])
     assert torch.equal(gather_kv(step.v_cache, step.ctx.block_tables[0], 10), step.full[0][2])
     changed = (step.k_cache != before).flatten(1).any(1).nonzero().flatten().tolist()
-    assert set(changed) <= {s // 4 for s in step.ctx.slot_mapping.tolist()}   # only the slots' blocks changed
+    assert set(changed) <= {s // 4 for s in step.ctx.slot_mapping.tolist()}  # only the slots' blocks changed
 
 
 def test_causal_attention_ref_single_query_sees_everything():
@@ -148,31 +178,39 @@ def test_varlen_reference_matches_dense():
     cu = torch.tensor([0, 4, 5, 14], dtype=torch.int32)
     out = varlen_attention_ref(*qkv, cu, cu, 0.35)
     starts = [0, 4, 5]
-    want = torch.cat([dense_causal(*(t[s:s + n] for t in qkv), 0.35) for s, n in zip(starts, lens)])
+    want = torch.cat([dense_causal(*(t[s : s + n] for t in qkv), 0.35) for s, n in zip(starts, lens)])
     torch.testing.assert_close(out, want, **TOL)
 
 
 # ---------------------------------------------------------------- the batched torch backend vs the reference
 
+
 def ref_of(step, q=None):
     c = step.ctx
-    return paged_attention_ref(step.q if q is None else q, step.k_cache, step.v_cache, c.cu_seqlens_q, c.context_lens,
-                               c.block_tables, step.scale)
+    return paged_attention_ref(
+        step.q if q is None else q,
+        step.k_cache,
+        step.v_cache,
+        c.cu_seqlens_q,
+        c.context_lens,
+        c.block_tables,
+        step.scale,
+    )
 
 
 def test_decode_groups_cut_sorted_lengths_by_padded_size():
     assert decode_groups([], 4, 12) == []
-    assert decode_groups([7, 8, 10], 4, 12) == [(0, 1), (1, 2), (2, 3)]   # 2 x 8 = 16 > 12 already
-    assert decode_groups([7, 8, 10], 4, 64) == [(0, 3)]                    # 3 x 12 = 36 <= 64
-    assert decode_groups([1, 2, 3, 4, 5], 4, 8) == [(0, 2), (2, 4), (4, 5)]   # pairs of one block each
-    assert decode_groups([3, 100], 16, 32) == [(0, 1), (1, 2)]             # longer than the budget alone: its own group
+    assert decode_groups([7, 8, 10], 4, 12) == [(0, 1), (1, 2), (2, 3)]  # 2 x 8 = 16 > 12 already
+    assert decode_groups([7, 8, 10], 4, 64) == [(0, 3)]  # 3 x 12 = 36 <= 64
+    assert decode_groups([1, 2, 3, 4, 5], 4, 8) == [(0, 2), (2, 4), (4, 5)]  # pairs of one block each
+    assert decode_groups([3, 100], 16, 32) == [(0, 1), (1, 2)]  # longer than the budget alone: its own group
     assert decode_groups([16, 16, 16, 17], 16, 48) == [(0, 3), (3, 4)]
 
 
 def test_gather_padded_kv_matches_gather_kv_row_by_row():
     step = Step([1, 1, 1], [5, 17, 1], 4, heads=4, kv_heads=2, seed=3)
     padded = gather_padded_kv(step.k_cache, step.ctx.block_tables, 17)
-    assert padded.shape == (3, 20, 2, 8)                                   # 17 rounded up to whole blocks of 4
+    assert padded.shape == (3, 20, 2, 8)  # 17 rounded up to whole blocks of 4
     for i, n in enumerate(step.ctx_lens):
         assert torch.equal(padded[i, :n], gather_kv(step.k_cache, step.ctx.block_tables[i], n))
 
@@ -183,19 +221,27 @@ def test_torch_backend_matches_reference_on_mixed_batch(block_size, group):
     step = Step(MIXED["q_lens"], MIXED["ctx_lens"], block_size, heads=2 * group, kv_heads=2, seed=10 + group)
     store_kvcache_ref(step.k, step.v, step.k_cache, step.v_cache, step.ctx.slot_mapping)
     c = step.ctx
-    out = paged_attention_torch(step.q, step.k_cache, step.v_cache, c.cu_seqlens_q, c.context_lens, c.block_tables,
-                                step.scale)
+    out = paged_attention_torch(
+        step.q, step.k_cache, step.v_cache, c.cu_seqlens_q, c.context_lens, c.block_tables, step.scale
+    )
     torch.testing.assert_close(out, ref_of(step), **TOL)
     torch.testing.assert_close(out, step.dense(), **TOL)
 
 
-@pytest.mark.parametrize("group_bytes", [1, 12 * 2 * 8 * 4, 1 << 30])   # every sequence alone, a few, all in one
+@pytest.mark.parametrize("group_bytes", [1, 12 * 2 * 8 * 4, 1 << 30])  # every sequence alone, a few, all in one
 def test_paged_decode_torch_matches_reference_for_any_grouping(group_bytes):
     lens = [5, 17, 1, 30, 12, 12, 3, 29]
     step = Step([1] * len(lens), lens, 4, heads=8, kv_heads=2, seed=4)
     store_kvcache_ref(step.k, step.v, step.k_cache, step.v_cache, step.ctx.slot_mapping)
-    out = paged_decode_torch(step.q, step.k_cache, step.v_cache, step.ctx.context_lens, step.ctx.block_tables,
-                             step.scale, group_bytes=group_bytes)
+    out = paged_decode_torch(
+        step.q,
+        step.k_cache,
+        step.v_cache,
+        step.ctx.context_lens,
+        step.ctx.block_tables,
+        step.scale,
+        group_bytes=group_bytes,
+    )
     torch.testing.assert_close(out, ref_of(step), **TOL)
     torch.testing.assert_close(out, step.dense(), **TOL)
 
@@ -205,8 +251,9 @@ def test_paged_decode_torch_empty_context_gives_zeros_like_the_reference():
     step = Step([1, 1], [6, 9], 4, heads=4, kv_heads=2, seed=5)
     store_kvcache_ref(step.k, step.v, step.k_cache, step.v_cache, step.ctx.slot_mapping)
     lens = torch.tensor([6, 0, 9], dtype=torch.int32)
-    tables = torch.cat([step.ctx.block_tables[:1], torch.full((1, 3), -1, dtype=torch.int32),
-                        step.ctx.block_tables[1:]])
+    tables = torch.cat(
+        [step.ctx.block_tables[:1], torch.full((1, 3), -1, dtype=torch.int32), step.ctx.block_tables[1:]]
+    )
     q = torch.cat([step.q[:1], torch.randn(1, 4, 8), step.q[1:]])
     cu = torch.arange(4, dtype=torch.int32)
     out = paged_decode_torch(q, step.k_cache, step.v_cache, lens, tables, step.scale)
@@ -221,16 +268,21 @@ def test_paged_decode_torch_bfloat16_cache():
     store_kvcache_ref(step.k, step.v, step.k_cache, step.v_cache, step.ctx.slot_mapping)
     kc, vc, q = step.k_cache.bfloat16(), step.v_cache.bfloat16(), step.q.bfloat16()
     out = paged_decode_torch(q, kc, vc, step.ctx.context_lens, step.ctx.block_tables, step.scale)
-    want = paged_attention_ref(q, kc, vc, step.ctx.cu_seqlens_q, step.ctx.context_lens, step.ctx.block_tables,
-                               step.scale)
+    want = paged_attention_ref(
+        q, kc, vc, step.ctx.cu_seqlens_q, step.ctx.context_lens, step.ctx.block_tables, step.scale
+    )
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), want.float(), atol=1e-2, rtol=1e-2)   # both: float32 math, one rounding
+    torch.testing.assert_close(out.float(), want.float(), atol=1e-2, rtol=1e-2)  # both: float32 math, one rounding
 
 
 @settings(max_examples=40, deadline=None)
-@given(seqs=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=7),
-       block_size=st.sampled_from([1, 2, 4, 16]), group=st.sampled_from([1, 2, 3]),
-       group_bytes=st.sampled_from([1, 256, 1 << 20]), seed=st.integers(0, 2**16))
+@given(
+    seqs=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=7),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    group=st.sampled_from([1, 2, 3]),
+    group_bytes=st.sampled_from([1, 256, 1 << 20]),
+    seed=st.integers(0, 2**16),
+)
 def test_torch_backend_matches_reference_on_random_steps(seqs, block_size, group, group_bytes, seed):
     "Any mix of decode tokens, chunks over cached prefixes and fresh prompts: the batched backend equals the reference."
     q_lens = [q for q, _ in seqs]
@@ -239,11 +291,13 @@ def test_torch_backend_matches_reference_on_random_steps(seqs, block_size, group
     store_kvcache_ref(step.k, step.v, step.k_cache, step.v_cache, step.ctx.slot_mapping)
     c = step.ctx
     if all(n == 1 for n in q_lens):
-        out = paged_decode_torch(step.q, step.k_cache, step.v_cache, c.context_lens, c.block_tables, step.scale,
-                                 group_bytes=group_bytes)
+        out = paged_decode_torch(
+            step.q, step.k_cache, step.v_cache, c.context_lens, c.block_tables, step.scale, group_bytes=group_bytes
+        )
     else:
-        out = paged_attention_torch(step.q, step.k_cache, step.v_cache, c.cu_seqlens_q, c.context_lens,
-                                    c.block_tables, step.scale)
+        out = paged_attention_torch(
+            step.q, step.k_cache, step.v_cache, c.cu_seqlens_q, c.context_lens, c.block_tables, step.scale
+        )
     torch.testing.assert_close(out, ref_of(step), **TOL)
 
 
@@ -257,7 +311,7 @@ def test_store_kvcache_torch_matches_reference(slots):
     store_kvcache_ref(k, v, want[0], want[1], slot_mapping)
     store_kvcache_torch(k, v, caches[0], caches[1], slot_mapping)
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
-    half = [c.bfloat16() for c in caches]                  # k, v cast to the cache's dtype
+    half = [c.bfloat16() for c in caches]  # k, v cast to the cache's dtype
     store_kvcache_torch(k, v, half[0], half[1], slot_mapping)
     assert torch.equal(half[0], want[0].bfloat16()) and torch.equal(half[1], want[1].bfloat16())
 
@@ -265,22 +319,29 @@ def test_store_kvcache_torch_matches_reference(slots):
 @pytest.mark.parametrize("n, length", [(1, 1), (1, 9), (4, 9), (9, 9)])
 def test_causal_attention_sdpa_matches_reference(n, length):
     g = torch.Generator().manual_seed(n * 100 + length)
-    q, k, v = torch.randn(n, 6, 8, generator=g), torch.randn(length, 2, 8, generator=g), torch.randn(length, 2, 8,
-                                                                                                   generator=g)
+    q, k, v = (
+        torch.randn(n, 6, 8, generator=g),
+        torch.randn(length, 2, 8, generator=g),
+        torch.randn(length, 2, 8, generator=g),
+    )
     torch.testing.assert_close(causal_attention_sdpa(q, k, v, 0.3), causal_attention_ref(q, k, v, 0.3), **TOL)
 
 
 def test_varlen_attention_torch_matches_reference():
     "Whole prompts and prompts whose queries are only their last tokens (cu_seqlens_k longer than cu_seqlens_q)."
     g = torch.Generator().manual_seed(7)
-    cu_q = torch.tensor([0, 4, 5, 14, 14], dtype=torch.int32)      # the last sequence has no query rows
+    cu_q = torch.tensor([0, 4, 5, 14, 14], dtype=torch.int32)  # the last sequence has no query rows
     cu_k = torch.tensor([0, 6, 7, 16, 18], dtype=torch.int32)
     q, k, v = torch.randn(14, 4, 8, generator=g), torch.randn(18, 2, 8, generator=g), torch.randn(18, 2, 8, generator=g)
-    torch.testing.assert_close(varlen_attention_torch(q, k, v, cu_q, cu_k, 0.35),
-                               varlen_attention_ref(q, k, v, cu_q, cu_k, 0.35), **TOL)
+    torch.testing.assert_close(
+        varlen_attention_torch(q, k, v, cu_q, cu_k, 0.35), varlen_attention_ref(q, k, v, cu_q, cu_k, 0.35), **TOL
+    )
     cu = torch.tensor([0, 4, 5, 14], dtype=torch.int32)
-    torch.testing.assert_close(varlen_attention_torch(q, k[:14], v[:14], cu, cu, 0.35),
-                               varlen_attention_ref(q, k[:14], v[:14], cu, cu, 0.35), **TOL)
+    torch.testing.assert_close(
+        varlen_attention_torch(q, k[:14], v[:14], cu, cu, 0.35),
+        varlen_attention_ref(q, k[:14], v[:14], cu, cu, 0.35),
+        **TOL,
+    )
 
 
 @pytest.mark.gpu
@@ -292,12 +353,14 @@ def test_torch_backend_on_cuda_matches_reference():
             setattr(step, name, getattr(step, name).to(torch.bfloat16))
         store_kvcache_torch(step.k, step.v, step.k_cache, step.v_cache, step.ctx.slot_mapping)
         c = step.ctx
-        out = paged_attention_torch(step.q, step.k_cache, step.v_cache, c.cu_seqlens_q, c.context_lens,
-                                    c.block_tables, step.scale)
+        out = paged_attention_torch(
+            step.q, step.k_cache, step.v_cache, c.cu_seqlens_q, c.context_lens, c.block_tables, step.scale
+        )
         torch.testing.assert_close(out.float(), ref_of(step).float(), atol=2e-2, rtol=2e-2)
 
 
 # ---------------------------------------------------------------- backend choice
+
 
 def test_select_backend(monkeypatch):
     "TRITON_INTERPRET is read once, at import (backends.INTERPRET): the test sets that flag, not the variable."
@@ -306,8 +369,11 @@ def test_select_backend(monkeypatch):
     assert select_backend("cpu", 16, "torch") == "torch"
     with pytest.raises(ValueError, match="unknown attention backend 'fast'.*torch, triton, flash_attn"):
         select_backend("cpu", 16, "fast")
-    with pytest.raises(ValueError, match="'flash_attn' is not available here: flash-attn needs a CUDA device, got cpu "
-                                         r"\(choices: torch, triton, flash_attn"):
+    with pytest.raises(
+        ValueError,
+        match="'flash_attn' is not available here: flash-attn needs a CUDA device, got cpu "
+        r"\(choices: torch, triton, flash_attn",
+    ):
         select_backend("cpu", 16, "flash_attn")
     monkeypatch.setenv(BACKEND_ENV, "nope")
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
@@ -315,7 +381,7 @@ def test_select_backend(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "torch")
     assert select_backend("cpu") == "torch"
     monkeypatch.setattr(backends, "INTERPRET", True)
-    assert select_backend("cpu", 16, "triton") == "triton"   # for tests: Triton's interpreter
+    assert select_backend("cpu", 16, "triton") == "triton"  # for tests: Triton's interpreter
     monkeypatch.setattr(backends, "INTERPRET", False)
     with pytest.raises(ValueError, match="need a CUDA device"):
         select_backend("cpu", 16, "triton")
@@ -336,10 +402,12 @@ def test_the_measured_table_prefers_triton_for_decode_and_flash_attn_for_prefill
 @pytest.fixture
 def fake_gpu(monkeypatch):
     "A CUDA device of a given compute capability with a given flash-attn version, on any machine."
+
     def fake(version: int | None, capability: tuple[int, int] = (9, 0)):
         monkeypatch.setattr(backends, "flash_attn_version", lambda: version)
         monkeypatch.setattr(backends, "cuda_capability", lambda device: capability)
         monkeypatch.setattr(backends, "INTERPRET", False)
+
     return fake
 
 
@@ -347,22 +415,26 @@ def test_auto_picks_each_phase_faster_backend_where_flash_attn_4_runs(fake_gpu):
     fake_gpu(4)
     bf16 = dict(dtype=torch.bfloat16)
     assert select_backend("cuda", 16, phase="decode", **bf16) == "triton"
-    assert select_backend("cuda", 16, phase="prefill", **bf16) == "flash_attn"   # any block size
-    assert select_backend("cuda", 16, "flash_attn", phase="decode", **bf16) == "flash_attn"   # asked for: both phases
+    assert select_backend("cuda", 16, phase="prefill", **bf16) == "flash_attn"  # any block size
+    assert select_backend("cuda", 16, "flash_attn", phase="decode", **bf16) == "flash_attn"  # asked for: both phases
     assert select_backend("cuda", 16, "triton", phase="prefill", **bf16) == "triton"
-    for dtype in (torch.float32, torch.float8_e4m3fn):   # flash-attn computes in 16 bits only
+    for dtype in (torch.float32, torch.float8_e4m3fn):  # flash-attn computes in 16 bits only
         assert select_backend("cuda", 16, dtype=dtype, phase="prefill") == "triton"
     with pytest.raises(ValueError, match="flash-attn computes in float16 or bfloat16, not float32"):
         select_backend("cuda", 16, "flash_attn", dtype=torch.float32)
 
 
-@pytest.mark.parametrize("version, capability, block_size, reason", [
-    (None, (9, 0), 16, r"flash-attn is not installed \(pip install flash-attn-4 on Hopper or Blackwell GPUs"),
-    (4, (8, 0), 16, r"flash-attn-4 needs a Hopper or Blackwell GPU \(compute capability 9.0\+\), got 8.0"),
-    (2, (8, 0), 16, r"flash-attn 2's paged KV needs block_size % 256 == 0, got 16 \(flash-attn-4 takes any"),
-])
-def test_where_flash_attn_cannot_run_auto_falls_back_and_a_request_says_why(fake_gpu, version, capability,
-                                                                            block_size, reason):
+@pytest.mark.parametrize(
+    "version, capability, block_size, reason",
+    [
+        (None, (9, 0), 16, r"flash-attn is not installed \(pip install flash-attn-4 on Hopper or Blackwell GPUs"),
+        (4, (8, 0), 16, r"flash-attn-4 needs a Hopper or Blackwell GPU \(compute capability 9.0\+\), got 8.0"),
+        (2, (8, 0), 16, r"flash-attn 2's paged KV needs block_size % 256 == 0, got 16 \(flash-attn-4 takes any"),
+    ],
+)
+def test_where_flash_attn_cannot_run_auto_falls_back_and_a_request_says_why(
+    fake_gpu, version, capability, block_size, reason
+):
     fake_gpu(version, capability)
     assert select_backend("cuda", block_size, dtype=torch.bfloat16, phase="prefill") == "triton"
     with pytest.raises(ValueError, match=reason):
@@ -381,8 +453,9 @@ def test_select_backend_on_cuda():
     hopper = torch.cuda.get_device_capability()[0] >= 9
     flash_prefill = version == 4 and hopper
     assert select_backend("cuda", 16, dtype=torch.bfloat16, phase="decode") == "triton"
-    assert select_backend("cuda", 16, dtype=torch.bfloat16, phase="prefill") == ("flash_attn" if flash_prefill
-                                                                                   else "triton")
+    assert select_backend("cuda", 16, dtype=torch.bfloat16, phase="prefill") == (
+        "flash_attn" if flash_prefill else "triton"
+    )
     assert select_backend("cuda", 16, dtype=torch.float32, phase="prefill") == "triton"
     if version is None:
         with pytest.raises(ValueError, match="flash-attn is not installed"):
@@ -390,6 +463,7 @@ def test_select_backend_on_cuda():
 
 
 # ---------------------------------------------------------------- the layer
+
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -399,7 +473,7 @@ def test_attention_layer_mixed_step(backend, block_size):
     attn.k_cache, attn.v_cache = step.k_cache, step.v_cache
     out = attn(step.q, step.k, step.v, step.ctx)
     torch.testing.assert_close(out.cpu(), step.dense(), **TOL)
-    for i, (_, k, _) in enumerate(step.full):   # every sequence's whole K is now in the cache
+    for i, (_, k, _) in enumerate(step.full):  # every sequence's whole K is now in the cache
         torch.testing.assert_close(gather_kv(attn.k_cache, step.ctx.block_tables[i], step.ctx_lens[i]).cpu(), k)
 
 
@@ -426,10 +500,11 @@ def test_attention_layer_without_cache(backend):
 
 def test_attention_layer_runs_decode_steps_on_backend_and_the_others_on_prefill_backend(monkeypatch):
     import minivllm.layers.attention as attention
+
     used, real = [], attention.paged_attention
 
     def recording(*args):
-        used.append(args[-1])   # the backend it was called with
+        used.append(args[-1])  # the backend it was called with
         return real(*args)
 
     monkeypatch.setattr(attention, "paged_attention", recording)
@@ -444,12 +519,13 @@ def test_attention_layer_runs_decode_steps_on_backend_and_the_others_on_prefill_
 
 
 def test_attention_is_an_nn_module_without_cache_state():
-    attn = Attention(16, 128, 128 ** -0.5, 8)
-    assert list(attn.state_dict()) == [] and attn.k_cache is None and attn.v_cache is None   # the engine sets them
+    attn = Attention(16, 128, 128**-0.5, 8)
+    assert list(attn.state_dict()) == [] and attn.k_cache is None and attn.v_cache is None  # the engine sets them
     assert "num_heads=16, num_kv_heads=8, head_dim=128" in repr(attn)
 
 
 # ---------------------------------------------------------------- flash-attn (GPU, when installed)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, 256])
@@ -468,19 +544,23 @@ def test_flash_attn_backend_matches_reference(block_size):
             attn.k_cache, attn.v_cache = step.k_cache.clone(), step.v_cache.clone()
             outs[backend] = attn(step.q, step.k, step.v, step.ctx).float()
         torch.testing.assert_close(outs["flash_attn"], outs["torch"], **bf16)
-        no_cache = Attention(16, 128, step.scale, 8, backend="flash_attn")   # the warm-up's path: K/V token by token
+        no_cache = Attention(16, 128, step.scale, 8, backend="flash_attn")  # the warm-up's path: K/V token by token
         whole = [t.to(torch.bfloat16) for t in step.full[0]]
-        torch.testing.assert_close(no_cache(*[t.cuda() for t in whole]).float().cpu(),
-                                   dense_causal(*[t.float() for t in whole], step.scale), **bf16)
+        torch.testing.assert_close(
+            no_cache(*[t.cuda() for t in whole]).float().cpu(),
+            dense_causal(*[t.float() for t in whole], step.scale),
+            **bf16,
+        )
 
 
 def test_torch_decode_ignores_stale_values_in_unwritten_slots():
     "Slots past a sequence's end hold what an earlier owner of the block wrote (finite): they must not leak out."
     from minivllm.kernels.reference import paged_attention_ref
     from minivllm.kernels.torch_attention import paged_decode_torch
+
     torch.manual_seed(0)
     k, v = torch.randn(8, 4, 2, 16), torch.randn(8, 4, 2, 16)
-    k[3, 2:] = v[3, 2:] = 1e30                          # the last block of sequence 0, past its 6 tokens
+    k[3, 2:] = v[3, 2:] = 1e30  # the last block of sequence 0, past its 6 tokens
     q = torch.randn(2, 4, 16)
     tables, lens = torch.tensor([[2, 3], [5, -1]], dtype=torch.int32), torch.tensor([6, 4], dtype=torch.int32)
     out = paged_decode_torch(q, k, v, lens, tables, 0.25)
@@ -497,10 +577,11 @@ class GrowingBatch:
         self.lens, self.bs, self.shape = list(lens), block_size, (heads, kv_heads, dim)
         need = [-(-(n + steps) // block_size) for n in lens]
         perm = torch.randperm(sum(need) + 1, generator=self.g).tolist()
-        self.tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
+        self.tables = [perm[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(need))]
         self.free_block = perm[-1]
-        self.k_cache, self.v_cache = (torch.randn(sum(need) + 1, block_size, kv_heads, dim, generator=self.g)
-                                      for _ in range(2))
+        self.k_cache, self.v_cache = (
+            torch.randn(sum(need) + 1, block_size, kv_heads, dim, generator=self.g) for _ in range(2)
+        )
 
     def step(self):
         "One more token per sequence, stored in the cache: q and the step's metadata."
@@ -513,18 +594,22 @@ class GrowingBatch:
 
     def decode(self, kept, q, meta):
         "The kept decode and the reference on the same step."
-        got = paged_decode_kept(q, self.k_cache, self.v_cache, meta.context_lens, meta.block_tables,
-                                meta.slot_mapping, 0.3, kept)
-        want = paged_attention_ref(q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.context_lens,
-                                   meta.block_tables, 0.3)
+        got = paged_decode_kept(
+            q, self.k_cache, self.v_cache, meta.context_lens, meta.block_tables, meta.slot_mapping, 0.3, kept
+        )
+        want = paged_attention_ref(
+            q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, 0.3
+        )
         return got, want
 
 
 def test_kept_decode_kv_appends_while_the_batch_goes_on_and_gathers_anew_on_any_change():
     batch, kept, appended = GrowingBatch([5, 17, 1, 30, 12, 12, 3], steps=12), KeptDecodeKV(), []
-    changes = {4: lambda: batch.tables[2].__setitem__(0, batch.free_block),    # a block moved
-               6: lambda: (batch.lens.pop(3), batch.tables.pop(3)),            # a sequence left
-               8: lambda: batch.lens.__setitem__(0, batch.lens[0] - 1)}         # not one token longer
+    changes = {
+        4: lambda: batch.tables[2].__setitem__(0, batch.free_block),  # a block moved
+        6: lambda: (batch.lens.pop(3), batch.tables.pop(3)),  # a sequence left
+        8: lambda: batch.lens.__setitem__(0, batch.lens[0] - 1),
+    }  # not one token longer
     for i in range(10):
         changes.get(i, lambda: None)()
         q, meta = batch.step()
@@ -533,7 +618,7 @@ def test_kept_decode_kv_appends_while_the_batch_goes_on_and_gathers_anew_on_any_
         torch.testing.assert_close(got, want, **TOL)
     assert appended == [False, True, True, True, False, True, False, True, False, True]
     assert kept.continues(batch.k_cache, meta.context_lens + 1, meta.block_tables)
-    assert not kept.continues(batch.k_cache.clone(), meta.context_lens + 1, meta.block_tables)   # another cache
+    assert not kept.continues(batch.k_cache.clone(), meta.context_lens + 1, meta.block_tables)  # another cache
 
 
 def test_kept_decode_kv_grows_past_its_headroom_by_gathering_again(monkeypatch):
@@ -543,13 +628,13 @@ def test_kept_decode_kv_grows_past_its_headroom_by_gathering_again(monkeypatch):
         q, meta = batch.step()
         appended.append(kept.continues(batch.k_cache, meta.context_lens, meta.block_tables))
         torch.testing.assert_close(*batch.decode(kept, q, meta), **TOL)
-    assert appended.count(False) >= 3 and appended.count(True) >= 6   # rebuilt every few steps, appended between
+    assert appended.count(False) >= 3 and appended.count(True) >= 6  # rebuilt every few steps, appended between
     assert kept.k.shape[2] >= max(batch.lens)
 
 
 def test_kept_decode_kv_falls_back_to_the_gather_over_its_budget_or_on_a_padding_slot():
     batch = GrowingBatch([5, 17, 1, 30])
-    kept = KeptDecodeKV(max_bytes=1)                   # nothing fits: every step gathers, nothing is kept
+    kept = KeptDecodeKV(max_bytes=1)  # nothing fits: every step gathers, nothing is kept
     for _ in range(3):
         q, meta = batch.step()
         torch.testing.assert_close(*batch.decode(kept, q, meta), **TOL)
@@ -558,7 +643,7 @@ def test_kept_decode_kv_falls_back_to_the_gather_over_its_budget_or_on_a_padding
     q, meta = batch.step()
     batch.decode(kept, q, meta)
     lens = meta.context_lens.clone()
-    lens[1] = 0                                        # a padding slot: the plain path, and the kept batch is dropped
+    lens[1] = 0  # a padding slot: the plain path, and the kept batch is dropped
     got = paged_decode_kept(q, batch.k_cache, batch.v_cache, lens, meta.block_tables, meta.slot_mapping, 0.3, kept)
     want = paged_attention_ref(q, batch.k_cache, batch.v_cache, meta.cu_seqlens_q, lens, meta.block_tables, 0.3)
     torch.testing.assert_close(got, want, **TOL)
@@ -577,12 +662,13 @@ def test_attention_layer_keeps_decode_kv_and_drops_it_on_a_prefill_step():
         meta = AttentionMetadata.build([new] * 3, batch.lens, batch.tables, batch.bs)
         q, k, v = (torch.randn(3 * new, h, 8) for h in (4, 2, 2))
         got = layer(q, k, v, meta)
-        want = paged_attention_ref(q, batch.k_cache, batch.v_cache, meta.cu_seqlens_q, meta.context_lens,
-                                   meta.block_tables, 0.3)
+        want = paged_attention_ref(
+            q, batch.k_cache, batch.v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, 0.3
+        )
         torch.testing.assert_close(got, want, **TOL)
 
     for _ in range(3):
         step(1)
         assert layer.kept.k is not None
-    step(2)                                            # a chunk of 2 tokens for each: not a decode step
+    step(2)  # a chunk of 2 tokens for each: not a decode step
     assert layer.kept.k is None

@@ -1,5 +1,6 @@
 """The benchmark's own rates (minivllm/bench_card.py), measured small on a CPU, and the bounds and fractions the
 benchmark prints and keeps with them (the whole `python -m minivllm.bench` needs CUDA: these are its pieces)."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,16 @@ import pytest
 import torch
 
 from minivllm.bench import BenchResult, Report, environment, parse_args, roofline
-from minivllm.bench_card import (H200_BANDWIDTH, H200_FLOPS, card_line, copy_bandwidth, cuda_versions, matmul_rate,
-                                 measure_card, timed_ms)
+from minivllm.bench_card import (
+    H200_BANDWIDTH,
+    H200_FLOPS,
+    card_line,
+    copy_bandwidth,
+    cuda_versions,
+    matmul_rate,
+    measure_card,
+    timed_ms,
+)
 from minivllm.bench_latency import latency_lines
 from minivllm.bench_models import QWEN3_0_6B
 
@@ -25,7 +34,7 @@ def test_the_copy_and_the_product_on_a_cpu():
     assert copy["bytes"] == 2 << 20 and copy["repeats"] == 3 and copy["ms"] > 0
     assert copy["bytes_per_s"] == pytest.approx(copy["bytes"] / copy["ms"] * 1e3)
     product = matmul_rate("cpu", n=64, repeats=3, warmup=1)
-    assert product["flop"] == 2 * 64 ** 3 and product["dtype"] == "bfloat16" and product["ms"] > 0
+    assert product["flop"] == 2 * 64**3 and product["dtype"] == "bfloat16" and product["ms"] > 0
     assert product["flops"] == pytest.approx(product["flop"] / product["ms"] * 1e3)
 
 
@@ -46,7 +55,7 @@ def test_the_environment_and_the_rates_flags():
     if torch.cuda.is_available():
         assert {"gpu", "driver", "cuda"} <= set(env)
     args = parse_args([])
-    assert args.bandwidth is None and args.flops is None           # measured on the card unless given
+    assert args.bandwidth is None and args.flops is None  # measured on the card unless given
     args = parse_args(["--bandwidth", "3e12", "--flops", "7e14"])
     assert (args.bandwidth, args.flops) == (3e12, 7e14)
 
@@ -68,18 +77,19 @@ def test_a_run_against_both_bounds_and_the_results_file(capsys):
     assert f"{run['fraction_of_h200_bound']:.1%} at the H200's" in line
     saved = json.loads(json.dumps(report.data))
     assert saved["peaks"]["bandwidth"] > 0 and saved["peaks"]["flops"] > 0 and saved["peaks"]["matmul"]["n"] == 64
-    report.add(result, bound)                                     # without the H200's bound: the line as before
+    report.add(result, bound)  # without the H200's bound: the line as before
     assert "H200" not in capsys.readouterr().out and "fraction_of_h200_bound" not in report.data["runs"][1]
 
 
 def test_latency_lines_show_the_h200_bound_where_the_rows_have_it():
-    stream = dict(prompt_tokens=1024, output_tokens=512, seconds=0.5, output_tok_s=1024.0, first_step_ms=4.8,
-                  decode_step_ms=0.92)
+    stream = dict(
+        prompt_tokens=1024, output_tokens=512, seconds=0.5, output_tok_s=1024.0, first_step_ms=4.8, decode_step_ms=0.92
+    )
     row = dict(batch=1, context=1024, steps=64, step_ms=0.9, host_ms=0.3, bound_ms=0.45, h200_bound_ms=0.3)
     lines = latency_lines(stream, [row])
     assert lines[1].endswith("step / bound  H200 bound ms  step / H200's")
     assert lines[2].split()[-2:] == ["0.300", "3.0x"]
-    old = {k: v for k, v in row.items() if k != "h200_bound_ms"}     # a results file from before: its table as it was
+    old = {k: v for k, v in row.items() if k != "h200_bound_ms"}  # a results file from before: its table as it was
     assert latency_lines(stream, [old])[1].endswith("step / bound") and latency_lines(stream, [old])[2].endswith("2.0x")
 
 
@@ -87,4 +97,5 @@ def test_the_benchmark_says_it_needs_cuda(capsys):
     if torch.cuda.is_available():
         pytest.skip("on a GPU the benchmark runs")
     from minivllm.bench import main
+
     assert main([]) == 2 and "needs a CUDA device" in capsys.readouterr().err

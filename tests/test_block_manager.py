@@ -1,4 +1,5 @@
 """Tests of minivllm.engine.block_manager: block counts, ref counts, prefix cache, free-list order, accounting."""
+
 from __future__ import annotations
 
 from array import array
@@ -11,8 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minivllm.engine.block_manager as bm_module
-from minivllm.engine.block_manager import (Block, BlockManager, FreeBlockQueue, PrefixMatch, compute_block_hash,
-                                           hash_block_bytes)
+from minivllm.engine.block_manager import (
+    Block,
+    BlockManager,
+    FreeBlockQueue,
+    PrefixMatch,
+    compute_block_hash,
+    hash_block_bytes,
+)
 from minivllm.engine.sequence import Sequence
 
 
@@ -93,23 +100,23 @@ def test_fresh_manager():
 # ---- exact block counts -----------------------------------------------------------------------------------------
 def test_block_counts_for_prefill_chunks_and_decode():
     bm = BlockManager(16, block_size=4)
-    s = seq_of(range(100, 110))                        # 10 tokens -> 3 blocks
+    s = seq_of(range(100, 110))  # 10 tokens -> 3 blocks
     m = bm.match_prefix(s)
     assert m == PrefixMatch([], 0)
     assert bm.blocks_needed(s, 10, m) == 3
     assert bm.blocks_needed(s, 3, m) == 1 and bm.blocks_needed(s, 4, m) == 1 and bm.blocks_needed(s, 5, m) == 2
-    bm.allocate(s, 5, m)                                # a chunk of 5 tokens: 2 blocks
+    bm.allocate(s, 5, m)  # a chunk of 5 tokens: 2 blocks
     compute(bm, s, 5)
     assert s.block_table == [0, 1] and bm.num_free_blocks == 14
     assert bm.blocks_needed(s, 3) == 0 and bm.blocks_needed(s, 4) == 1
     run_step(bm, s, 5)
     assert s.block_table == [0, 1, 2] and bm.usage == 3 / 16
     needs = []
-    for t in range(6):                                  # decode: a block when the new token opens one
+    for t in range(6):  # decode: a block when the new token opens one
         s.append_token(t)
         needs.append(bm.blocks_needed(s, 1))
         run_step(bm, s, 1)
-    assert needs == [0, 0, 1, 0, 0, 0]                  # tokens 11, 12, 13 (new block), 14, 15, 16
+    assert needs == [0, 0, 1, 0, 0, 0]  # tokens 11, 12, 13 (new block), 14, 15, 16
     assert len(s.block_table) == 4
     independent_check(bm, [s])
 
@@ -128,15 +135,15 @@ def test_allocate_beyond_free_raises_runtime_error_and_takes_nothing():
 def test_shared_prefix_hits_ref_counts_and_counters():
     bm = BlockManager(16, block_size=4)
     a = seq_of(range(10))
-    admit(bm, a)                                        # blocks 0, 1 full and cached; block 2 partial
+    admit(bm, a)  # blocks 0, 1 full and cached; block 2 partial
     assert [bm.blocks[b].hash != -1 for b in a.block_table] == [True, True, False]
     assert a.block_hashes == [bm.blocks[0].hash, bm.blocks[1].hash]
-    b = seq_of(list(range(9)) + [50, 51, 52])           # shares 9 tokens: 2 full blocks
+    b = seq_of(list(range(9)) + [50, 51, 52])  # shares 9 tokens: 2 full blocks
     m = bm.match_prefix(b)
     assert len(m.block_ids) == 2
-    assert bm.blocks_needed(b, 4, m) == 1               # hits on blocks in use cost nothing
+    assert bm.blocks_needed(b, 4, m) == 1  # hits on blocks in use cost nothing
     assert m.num_tokens == 8
-    bm.allocate(b, 0, m)                                # just the cached prefix
+    bm.allocate(b, 0, m)  # just the cached prefix
     assert b.block_table == [0, 1] and b.num_computed_tokens == b.num_cached_tokens == 8
     assert [bm.blocks[i].ref_count for i in (0, 1, 2)] == [2, 2, 1]
     run_step(bm, b)
@@ -147,7 +154,7 @@ def test_shared_prefix_hits_ref_counts_and_counters():
 
 def test_a_hit_never_covers_the_whole_sequence():
     bm = BlockManager(16, block_size=4)
-    admit(bm, seq_of(range(12)))                        # 3 full blocks cached
+    admit(bm, seq_of(range(12)))  # 3 full blocks cached
     assert hits(bm, seq_of(range(12))) == 2
     assert hits(bm, seq_of(range(13))) == 3
     assert hits(bm, seq_of(range(9))) == 2
@@ -162,9 +169,9 @@ def test_registration_happens_at_commit_not_allocation():
     a = seq_of(range(12))
     m = bm.match_prefix(a)
     bm.allocate(a, 12, m)
-    assert len(a.block_hashes) == 2                                  # hashed at admission (the last block: later)
-    assert hits(bm, seq_of(range(13))) == 0                          # nothing computed yet
-    compute(bm, a, 6)                                                # only block 0 is full and computed
+    assert len(a.block_hashes) == 2  # hashed at admission (the last block: later)
+    assert hits(bm, seq_of(range(13))) == 0  # nothing computed yet
+    compute(bm, a, 6)  # only block 0 is full and computed
     assert hits(bm, seq_of(range(13))) == 1 and len(bm.hash_to_block_id) == 1
     compute(bm, a, 6)
     assert hits(bm, seq_of(range(13))) == 3 and len(a.block_hashes) == 3
@@ -183,9 +190,9 @@ def test_hash_collision_is_caught_by_the_token_check(monkeypatch):
     a = seq_of([1, 2, 3, 4, 5])
     admit(bm, a)
     assert bm.hash_to_block_id == {42: a.block_table[0]}
-    b = seq_of([6, 7, 8, 9, 5])                          # same (fake) hash, other tokens
+    b = seq_of([6, 7, 8, 9, 5])  # same (fake) hash, other tokens
     assert hits(bm, b) == 0 and admit(bm, b) == 0
-    assert bm.blocks[b.block_table[0]].hash == -1       # the entry stays with the first block
+    assert bm.blocks[b.block_table[0]].hash == -1  # the entry stays with the first block
     assert hits(bm, seq_of([1, 2, 3, 4, 0])) == 1
     independent_check(bm, [a, b])
 
@@ -201,7 +208,7 @@ def test_twins_computed_in_the_same_step_share_one_cache_entry():
     assert [bm.blocks[x].hash != -1 for x in b.block_table] == [False, False, False]
     bm.check_invariants([a, b])
     bm.free(b)
-    assert list(bm.free_blocks)[:3] == [3, 4, 5]        # b's uncached blocks go to the front
+    assert list(bm.free_blocks)[:3] == [3, 4, 5]  # b's uncached blocks go to the front
     bm.free(a)
     independent_check(bm, [])
 
@@ -221,19 +228,19 @@ def test_prefix_caching_off():
 # ---- match_prefix and the sequence's block hashes ------------------------------------------------------------------
 def test_match_prefix_reports_blocks_and_tokens_consistently():
     bm = BlockManager(16, block_size=4)
-    a = seq_of(range(14))                                # 3 full blocks cached after its prompt
+    a = seq_of(range(14))  # 3 full blocks cached after its prompt
     admit(bm, a)
     for n, expect in [(14, 3), (13, 3), (12, 2), (10, 2), (5, 1), (4, 0), (1, 0)]:
         s = seq_of(range(n))
         m = bm.match_prefix(s)
         assert m.block_ids == a.block_table[:expect] and m.num_tokens == 4 * expect
-        assert m.num_tokens < s.num_tokens                # the last token is always left to compute
+        assert m.num_tokens < s.num_tokens  # the last token is always left to compute
         assert len(s.block_hashes) == (n - 1) // 4
-    s = seq_of(list(range(8)) + [99, 99, 99, 99, 1])     # block 2 differs from a's
+    s = seq_of(list(range(8)) + [99, 99, 99, 99, 1])  # block 2 differs from a's
     m = bm.match_prefix(s)
     assert m.block_ids == a.block_table[:2] and m.num_tokens == 8
     assert s.block_hashes[2] == chained_hashes(s, 3)[2] and s.block_hashes[2] not in bm.hash_to_block_id
-    s = seq_of([50] * 9)                                  # nothing cached: the first block is the first missing
+    s = seq_of([50] * 9)  # nothing cached: the first block is the first missing
     m = bm.match_prefix(s)
     assert m == PrefixMatch([], 0) and s.block_hashes[0] == chained_hashes(s, 1)[0]
 
@@ -242,15 +249,25 @@ def test_match_prefix_is_read_only():
     bm = BlockManager(8, block_size=4)
     a = seq_of(range(9))
     admit(bm, a)
-    bm.free(a)                                            # blocks 0, 1 free but cached
-    state = (list(bm.free_blocks), [b.ref_count for b in bm.blocks], dict(bm.hash_to_block_id),
-             bm.prefix_cache_queries, bm.prefix_cache_hits)
+    bm.free(a)  # blocks 0, 1 free but cached
+    state = (
+        list(bm.free_blocks),
+        [b.ref_count for b in bm.blocks],
+        dict(bm.hash_to_block_id),
+        bm.prefix_cache_queries,
+        bm.prefix_cache_hits,
+    )
     s = seq_of(range(12))
     m = bm.match_prefix(s)
     assert m.block_ids == [0, 1] and s.block_table == [] and s.num_computed_tokens == s.num_cached_tokens == 0
-    assert bm.match_prefix(s) == m                        # asking twice gives the same answer
-    assert state == (list(bm.free_blocks), [b.ref_count for b in bm.blocks], dict(bm.hash_to_block_id),
-                     bm.prefix_cache_queries, bm.prefix_cache_hits)
+    assert bm.match_prefix(s) == m  # asking twice gives the same answer
+    assert state == (
+        list(bm.free_blocks),
+        [b.ref_count for b in bm.blocks],
+        dict(bm.hash_to_block_id),
+        bm.prefix_cache_queries,
+        bm.prefix_cache_hits,
+    )
 
 
 def test_block_hashes_are_computed_once_per_block_and_survive_free(monkeypatch):
@@ -263,27 +280,27 @@ def test_block_hashes_are_computed_once_per_block_and_survive_free(monkeypatch):
     monkeypatch.setattr(bm_module, "hash_block_bytes", counting)
     bm = BlockManager(16, block_size=4)
     a = seq_of(range(14))
-    m = bm.match_prefix(a)                                # full blocks before the last token: 3
+    m = bm.match_prefix(a)  # full blocks before the last token: 3
     assert len(calls) == 3 and a.block_hashes == chained_hashes(a, 3)
     bm.match_prefix(a)
-    assert len(calls) == 3                                # asked again: nothing recomputed
+    assert len(calls) == 3  # asked again: nothing recomputed
     bm.allocate(a, 14, m)
     compute(bm, a, 14)
-    assert len(calls) == 3                                # commit reuses them
+    assert len(calls) == 3  # commit reuses them
     assert a.block_hashes == [bm.blocks[b].hash for b in a.block_table[:3]]
-    for t in (20, 21):                                    # decode to 16 tokens: block 3 fills up
+    for t in (20, 21):  # decode to 16 tokens: block 3 fills up
         a.append_token(t)
         run_step(bm, a, 1)
     assert len(calls) == 4 and calls[-1] == a.block(3) and a.block_hashes == chained_hashes(a, 4)
     assert bm.block_hashes(a, 2) is a.block_hashes and len(calls) == 4
     kept = list(a.block_hashes)
     bm.free(a)
-    assert a.block_table == [] and a.block_hashes == kept     # free keeps the hashes
-    a.num_computed_tokens = 0                                 # as a preemption does
+    assert a.block_table == [] and a.block_hashes == kept  # free keeps the hashes
+    a.num_computed_tokens = 0  # as a preemption does
     a.append_token(22)
-    m = bm.match_prefix(a)                                    # its own blocks, still cached
+    m = bm.match_prefix(a)  # its own blocks, still cached
     assert len(calls) == 4 and m.num_tokens == 16
-    assert len(a.block_hashes) == 4                           # block 4 is not full: not hashed
+    assert len(a.block_hashes) == 4  # block 4 is not full: not hashed
     bm.allocate(a, 1, m)
     assert a.block_table[:4] == m.block_ids and a.num_computed_tokens == 16
     compute(bm, a, 1)
@@ -293,11 +310,11 @@ def test_block_hashes_are_computed_once_per_block_and_survive_free(monkeypatch):
 # ---- freeing, reuse order, accounting -----------------------------------------------------------------------------
 def test_free_releases_tail_first_and_keeps_cached_contents():
     bm = BlockManager(8, block_size=4)
-    a = seq_of(range(14))                                # blocks 0, 1, 2 full (cached), 3 partial
+    a = seq_of(range(14))  # blocks 0, 1, 2 full (cached), 3 partial
     admit(bm, a)
     hashes = list(a.block_hashes)
     bm.free(a)
-    assert a.block_table == [] and a.block_hashes == hashes == chained_hashes(a, 3)   # the hashes stay
+    assert a.block_table == [] and a.block_hashes == hashes == chained_hashes(a, 3)  # the hashes stay
     # partial block 3 (nothing cached) to the front; cached blocks to the back, tail first: 2, 1, 0
     assert list(bm.free_blocks) == [3, 4, 5, 6, 7, 2, 1, 0]
     assert len(bm.hash_to_block_id) == 3
@@ -306,17 +323,17 @@ def test_free_releases_tail_first_and_keeps_cached_contents():
 
 def test_fresh_blocks_evict_least_recently_freed_cached_blocks_first():
     bm = BlockManager(6, block_size=4)
-    a, b = seq_of(range(100, 108)), seq_of(range(200, 208))   # 2 full blocks each, all cached
+    a, b = seq_of(range(100, 108)), seq_of(range(200, 208))  # 2 full blocks each, all cached
     admit(bm, a)
     admit(bm, b)
     bm.free(a)
     bm.free(b)
     assert list(bm.free_blocks) == [4, 5, 1, 0, 3, 2]
-    c = seq_of(range(300, 312))                                   # 3 fresh blocks: 4, 5, then evicts 1
+    c = seq_of(range(300, 312))  # 3 fresh blocks: 4, 5, then evicts 1
     assert hits(bm, c) == 0
     admit(bm, c)
     assert c.block_table == [4, 5, 1]
-    assert hits(bm, seq_of(range(100, 109))) == 1                 # a's first block survived, its second did not
+    assert hits(bm, seq_of(range(100, 109))) == 1  # a's first block survived, its second did not
     assert hits(bm, seq_of(range(200, 209))) == 2
     independent_check(bm, [c])
 
@@ -324,15 +341,15 @@ def test_fresh_blocks_evict_least_recently_freed_cached_blocks_first():
 def test_hit_on_free_cached_block_consumes_it_hit_on_used_block_does_not():
     bm = BlockManager(8, block_size=4)
     a, b = seq_of(range(13)), seq_of(list(range(8)) + [90, 91, 92, 93, 94])
-    admit(bm, a)                                         # a: blocks 0, 1, 2 (cached), 3
-    admit(bm, b)                                         # b: shares 0, 1; fresh 4, 5
-    bm.free(a)                                           # 2 is free but cached; 0 and 1 still used by b
-    c = seq_of(list(range(13)) + [77])                   # hits 0, 1 (in use) and 2 (free, cached)
+    admit(bm, a)  # a: blocks 0, 1, 2 (cached), 3
+    admit(bm, b)  # b: shares 0, 1; fresh 4, 5
+    bm.free(a)  # 2 is free but cached; 0 and 1 still used by b
+    c = seq_of(list(range(13)) + [77])  # hits 0, 1 (in use) and 2 (free, cached)
     m = bm.match_prefix(c)
     assert len(m.block_ids) == 3
     free_before = bm.num_free_blocks
-    assert bm.blocks_needed(c, 2, m) == 1 + 1            # block 2 leaves the free list, plus one fresh block
-    assert bm.blocks_needed(c, 0, m) == 1 + 0            # just taking the prefix: block 2
+    assert bm.blocks_needed(c, 2, m) == 1 + 1  # block 2 leaves the free list, plus one fresh block
+    assert bm.blocks_needed(c, 0, m) == 1 + 0  # just taking the prefix: block 2
     bm.allocate(c, 0, m)
     assert c.block_table == [0, 1, 2] and 2 not in bm.free_blocks
     assert [bm.blocks[i].ref_count for i in (0, 1, 2)] == [2, 2, 1]
@@ -349,7 +366,7 @@ def test_reset_prefix_cache_drops_only_free_blocks():
     bm.free(a)
     assert bm.reset_prefix_cache() == 2
     assert hits(bm, seq_of(range(9))) == 0
-    assert hits(bm, seq_of(range(50, 59))) == 2                        # in use: kept
+    assert hits(bm, seq_of(range(50, 59))) == 2  # in use: kept
     assert all(bm.blocks[x].hash == -1 for x in bm.free_blocks)
     independent_check(bm, [b])
 
@@ -383,15 +400,24 @@ def operations(draw):
     block_size = draw(st.sampled_from([1, 2, 3, 4]))
     num_blocks = draw(st.integers(2, 24))
     prefixes = [draw(st.lists(st.integers(0, 5), min_size=1, max_size=16)) for _ in range(2)]
-    ops = draw(st.lists(st.tuples(st.sampled_from(["new", "grow", "free", "reset"]), st.integers(0, 99),
-                                  st.lists(st.integers(0, 5), max_size=6), st.integers(1, 12)), max_size=40))
+    ops = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["new", "grow", "free", "reset"]),
+                st.integers(0, 99),
+                st.lists(st.integers(0, 5), max_size=6),
+                st.integers(1, 12),
+            ),
+            max_size=40,
+        )
+    )
     return block_size, num_blocks, prefixes, ops, draw(st.booleans())
 
 
 def check_match(bm: BlockManager, s: Sequence, m: PrefixMatch) -> None:
     "A match, checked against the cache's contents: cached ids in order, their tokens, the first block missing."
     bs = bm.block_size
-    assert m.num_tokens == len(m.block_ids) * bs < s.num_tokens        # never the last token
+    assert m.num_tokens == len(m.block_ids) * bs < s.num_tokens  # never the last token
     for i, block_id in enumerate(m.block_ids):
         block = bm.blocks[block_id]
         assert bm.hash_to_block_id[block.hash] == block_id and block.token_ids == s.block(i)
@@ -399,8 +425,8 @@ def check_match(bm: BlockManager, s: Sequence, m: PrefixMatch) -> None:
     if not bm.enable_prefix_caching:
         assert m == PrefixMatch([], 0)
         return
-    assert s.block_hashes[:(s.num_tokens - 1) // bs] == chained_hashes(s, (s.num_tokens - 1) // bs)
-    if len(m.block_ids) < (s.num_tokens - 1) // bs:   # stopped at a miss: the next full block is not cached as it is
+    assert s.block_hashes[: (s.num_tokens - 1) // bs] == chained_hashes(s, (s.num_tokens - 1) // bs)
+    if len(m.block_ids) < (s.num_tokens - 1) // bs:  # stopped at a miss: the next full block is not cached as it is
         cached = bm.hash_to_block_id.get(s.block_hashes[len(m.block_ids)])
         assert cached is None or bm.blocks[cached].token_ids != s.block(len(m.block_ids))
 
@@ -424,7 +450,7 @@ def test_random_operations_keep_invariants_and_exact_accounting(case):
                 continue
             bm.allocate(s, chunk, m)
             assert s.num_computed_tokens == s.num_cached_tokens == m.num_tokens
-            assert s.block_table[:len(m.block_ids)] == m.block_ids
+            assert s.block_table[: len(m.block_ids)] == m.block_ids
             assert free - bm.num_free_blocks == need
             compute(bm, s, chunk)
             live.append(s)
@@ -447,9 +473,9 @@ def test_random_operations_keep_invariants_and_exact_accounting(case):
             bm.reset_prefix_cache()
         independent_check(bm, live)
         bm.check_invariants(live)
-        for s in live:   # a cached block's stored tokens are the sequence's tokens there
+        for s in live:  # a cached block's stored tokens are the sequence's tokens there
             assert s.block_hashes == chained_hashes(s, len(s.block_hashes))
-            for i, h in enumerate(s.block_hashes[:len(s.block_table)]):
+            for i, h in enumerate(s.block_hashes[: len(s.block_table)]):
                 block = bm.blocks[s.block_table[i]]
                 assert block.hash in (-1, h)
                 if block.hash == h:

@@ -5,6 +5,7 @@ each KV-cache player's slider and check that its picture changes.
 `chromium-driver` first. Elsewhere, without them, the test is skipped. The notebooks are copied to a temporary
 folder, so that JupyterLab's autosave never touches the repository's.
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,9 +17,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 import _net
+import pytest
 from _net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,9 +31,12 @@ try:
     from selenium.webdriver.common.keys import Keys
 except ImportError:
     webdriver = None
-MISSING = ", ".join(what for what, found in (("selenium", webdriver), ("chromium", CHROMIUM),
-                                                ("chromedriver", CHROMEDRIVER)) if not found)
-if MISSING and os.environ.get("MINIVLLM_REQUIRE_BROWSER") == "1":   # `make test-browser`: a skip would prove nothing
+MISSING = ", ".join(
+    what
+    for what, found in (("selenium", webdriver), ("chromium", CHROMIUM), ("chromedriver", CHROMEDRIVER))
+    if not found
+)
+if MISSING and os.environ.get("MINIVLLM_REQUIRE_BROWSER") == "1":  # `make test-browser`: a skip would prove nothing
     raise RuntimeError(f"the browser test cannot run: {MISSING} not found (apt-get install chromium chromium-driver)")
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(bool(MISSING), reason=f"needs {MISSING}")]
 
@@ -54,7 +57,7 @@ return state;
 """
 
 
-wait_for = functools.partial(_net.wait_for, interval=0.5)   # (a browser is polled less often)
+wait_for = functools.partial(_net.wait_for, interval=0.5)  # (a browser is polled less often)
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +69,26 @@ def lab(tmp_path_factory):
     settings = work / "settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)
     (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
-    env = dict(os.environ, JUPYTER_DATA_DIR=str(work / "data"))   # (its own trust database, runtime files)
-    trust = Path(sys.executable).parent / "jupyter-trust"   # what `make lab` does: outputs of a trusted notebook
-    subprocess.run([trust, *map(str, (work / "notebooks").glob("*.ipynb"))], env=env, check=True, timeout=120,
-                   capture_output=True)                      # may render widgets (the players) before any cell runs
+    env = dict(os.environ, JUPYTER_DATA_DIR=str(work / "data"))  # (its own trust database, runtime files)
+    trust = Path(sys.executable).parent / "jupyter-trust"  # what `make lab` does: outputs of a trusted notebook
+    subprocess.run(
+        [trust, *map(str, (work / "notebooks").glob("*.ipynb"))], env=env, check=True, timeout=120, capture_output=True
+    )  # may render widgets (the players) before any cell runs
     port, token = free_port(), "minivllm-browser-test"
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-           f"--ServerApp.token={token}", f"--ServerApp.root_dir={work / 'notebooks'}",
-           "--LabApp.expose_app_in_browser=True", f"--LabApp.user_settings_dir={work / 'settings'}",
-           "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        f"--port={port}",
+        "--ip=127.0.0.1",
+        f"--ServerApp.token={token}",
+        f"--ServerApp.root_dir={work / 'notebooks'}",
+        "--LabApp.expose_app_in_browser=True",
+        f"--LabApp.user_settings_dir={work / 'settings'}",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]
     if hasattr(os, "getuid") and os.getuid() == 0:
         cmd.append("--allow-root")
     server = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -86,6 +100,7 @@ def lab(tmp_path_factory):
                 return r.status == 200
         except OSError:
             return server.poll() is not None and pytest.fail(f"JupyterLab exited with code {server.returncode}")
+
     try:
         wait_for(up, 120, "JupyterLab to start")
         yield url, token
@@ -110,9 +125,12 @@ def browser():
 
 
 def open_notebook(driver, url: str, token: str, name: str) -> None:
-    driver.get(f"{url}/lab/tree/{name}?reset&token={token}")   # (reset: no tab of the notebook before comes back)
-    wait_for(lambda: (driver.execute_script(NOTEBOOK_STATE) or {}).get("kernel") == "idle", 180,
-             f"{name}'s kernel to be ready")
+    driver.get(f"{url}/lab/tree/{name}?reset&token={token}")  # (reset: no tab of the notebook before comes back)
+    wait_for(
+        lambda: (driver.execute_script(NOTEBOOK_STATE) or {}).get("kernel") == "idle",
+        180,
+        f"{name}'s kernel to be ready",
+    )
 
 
 def run_all_cells(driver, name: str) -> None:
@@ -124,12 +142,15 @@ def run_all_cells(driver, name: str) -> None:
         state = driver.execute_script(NOTEBOOK_STATE)
         assert not state["errors"], f"{name}: a cell failed: {state['errors'][0]}"
         return state["pending"] == 0 and state["kernel"] == "idle"
+
     wait_for(finished, 600, f"every cell of {name} to run", interval=1.0)
 
 
 def leave(driver, url: str, token: str) -> None:
     "Save the notebook (so that leaving the page asks nothing) and shut its kernel down."
-    driver.execute_async_script("window.jupyterapp.commands.execute('docmanager:save').then(arguments[0], arguments[0])")
+    driver.execute_async_script(
+        "window.jupyterapp.commands.execute('docmanager:save').then(arguments[0], arguments[0])"
+    )
     with urllib.request.urlopen(f"{url}/api/sessions?token={token}", timeout=10) as r:
         sessions = json.load(r)
     for session in sessions:
@@ -147,8 +168,13 @@ def players(driver) -> list:
     "Every KV-cache player of the open notebook: a VBox holding a Play button, a slider and a stack of images."
     panel = driver.execute_script("return window.jupyterapp.shell.currentWidget.node")
     boxes = panel.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output .widget-vbox")
-    return [b for b in boxes if b.find_elements(By.CSS_SELECTOR, ".widget-play")
-            and b.find_elements(By.CSS_SELECTOR, ".widget-slider") and b.find_elements(By.CSS_SELECTOR, "img")]
+    return [
+        b
+        for b in boxes
+        if b.find_elements(By.CSS_SELECTOR, ".widget-play")
+        and b.find_elements(By.CSS_SELECTOR, ".widget-slider")
+        and b.find_elements(By.CSS_SELECTOR, "img")
+    ]
 
 
 @pytest.mark.timeout(1500)
@@ -157,18 +183,21 @@ def test_the_course_runs_in_jupyterlab_and_its_players_move(lab, browser):
     moved = {}
     for name in NOTEBOOKS:
         open_notebook(browser, url, token, name)
-        if name != "00_tour.ipynb":   # the stored widget state draws the players before the kernel ran anything
+        if name != "00_tour.ipynb":  # the stored widget state draws the players before the kernel ran anything
             stored = wait_for(lambda: players(browser), 60, f"the stored players of {name} to show")
             assert all(wait_for(lambda: shown_picture(p), 60, "a stored frame") for p in stored)
         run_all_cells(browser, name)
-        found = wait_for(lambda: players(browser), 120, f"the players of {name}") if name != "00_tour.ipynb" \
+        found = (
+            wait_for(lambda: players(browser), 120, f"the players of {name}")
+            if name != "00_tour.ipynb"
             else players(browser)
+        )
         for player in found:
             browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", player)
             before = wait_for(lambda: shown_picture(player), 60, f"a frame shown by a player of {name}")
             handle = player.find_element(By.CSS_SELECTOR, ".widget-slider .noUi-handle")
             handle.click()
-            handle.send_keys(Keys.ARROW_RIGHT)   # the next snapshot
+            handle.send_keys(Keys.ARROW_RIGHT)  # the next snapshot
             wait_for(lambda: shown_picture(player) not in (None, before), 60, f"a player of {name} to change frame")
             moved[name] = moved.get(name, 0) + 1
         leave(browser, url, token)

@@ -1,5 +1,6 @@
 """The course's links: every relative link in a notebook's markdown (and in the glossary) points at a file of the
 repository, and every link into the glossary at one of its entries."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,13 @@ def slug(heading: str) -> str:
 
 def markdown_of(path: Path) -> str:
     "The markdown of a notebook (or a .md file), without code: fenced blocks and inline code spans."
-    text = path.read_text() if path.suffix == ".md" else "\n".join(
-        "".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown")
+    text = (
+        path.read_text()
+        if path.suffix == ".md"
+        else "\n".join(
+            "".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown"
+        )
+    )
     return re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", text, flags=re.S))
 
 
@@ -39,16 +45,20 @@ def test_relative_links_resolve_and_glossary_anchors_exist():
                 if anchor not in anchors:
                     broken.append(f"{path.name}: {target} (no such glossary entry)")
     assert not broken, broken
-    assert len(linked) >= 20   # the terms are linked where they first appear
+    assert len(linked) >= 20  # the terms are linked where they first appear
 
 
 def test_players_show_their_controls_before_the_kernel_runs():
     "Every widget a notebook displays has its state stored in the notebook (JupyterLab draws it before any run)."
     for path in sorted(NOTEBOOKS.glob("*.ipynb")):
         nb = json.loads(path.read_text())
-        views = [o["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
-                 for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])
-                 if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+        views = [
+            o["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
+            for c in nb["cells"]
+            if c["cell_type"] == "code"
+            for o in c.get("outputs", [])
+            if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+        ]
         state = nb["metadata"].get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
         missing = [view for view in views if view not in state]
         assert not missing, f"{path.name}: widget views without stored state: {missing}"
@@ -62,8 +72,11 @@ def test_gpu_cells_can_be_rerun_after_the_cpu_cells_they_build_on(tmp_path):
     import nbformat
 
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("x = 41\nprint('setup')"), nbformat.v4.new_code_cell("y = 0"),
-                nbformat.v4.new_code_cell("#| gpu\nprint('answer', x + 1)")]
+    nb.cells = [
+        nbformat.v4.new_code_cell("x = 41\nprint('setup')"),
+        nbformat.v4.new_code_cell("y = 0"),
+        nbformat.v4.new_code_cell("#| gpu\nprint('answer', x + 1)"),
+    ]
     path, out = tmp_path / "nb.ipynb", tmp_path / "cells.json"
     nbformat.write(nb, path)
     tool = [sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "run_gpu_cells.py"), str(path)]

@@ -2,6 +2,7 @@
 Qwen3-MoE. For each, small random configs: logits against transformers in float32 (1e-4 relative) and greedy tokens
 equal to transformers' `generate` through `LLM`, on the CPU; on the GPU, the same greedy parity under CUDA graphs.
 Also: the experts' tensor-parallel shards, dummy weights (load_format="dummy"), and the error for an unknown family."""
+
 from __future__ import annotations
 
 import json
@@ -18,22 +19,53 @@ from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.moe import FusedMoE
 from minivllm.models.registry import MODEL_REGISTRY, build_model, load_config
 
-SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=None, bos_token_id=None,
-             pad_token_id=0)
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+SMALL = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=0,
+)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 FAMILIES = {
     "qwen2": lambda: Qwen2Config(**SMALL, tie_word_embeddings=True),
-    "qwen2.5 untied, head_dim 32": lambda: Qwen2Config(**{**SMALL, "num_attention_heads": 2}, tie_word_embeddings=False),
+    "qwen2.5 untied, head_dim 32": lambda: Qwen2Config(
+        **{**SMALL, "num_attention_heads": 2}, tie_word_embeddings=False
+    ),
     "llama3 rope scaling, untied": lambda: LlamaConfig(**SMALL, tie_word_embeddings=False, rope_parameters=LLAMA3),
-    "llama biases, mha": lambda: LlamaConfig(**{**SMALL, "num_key_value_heads": 4}, attention_bias=True,
-                                             mlp_bias=True, tie_word_embeddings=True),
-    "qwen3_moe": lambda: Qwen3MoeConfig(**SMALL, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                                        norm_topk_prob=True, tie_word_embeddings=False),
+    "llama biases, mha": lambda: LlamaConfig(
+        **{**SMALL, "num_key_value_heads": 4}, attention_bias=True, mlp_bias=True, tie_word_embeddings=True
+    ),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **SMALL,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ),
     "qwen3_moe sparse step 2, dense layer, no renorm": lambda: Qwen3MoeConfig(
-        **SMALL, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
-        decoder_sparse_step=2, mlp_only_layers=[2], tie_word_embeddings=True),
+        **SMALL,
+        moe_intermediate_size=32,
+        num_experts=6,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        decoder_sparse_step=2,
+        mlp_only_layers=[2],
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -65,7 +97,7 @@ def hf_greedy(hf, ids: list[list[int]], n: int) -> list[list[int]]:
     for p in ids:
         x = torch.tensor([p], device=hf.device)
         y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        out.append(y[0, len(p):].tolist())
+        out.append(y[0, len(p) :].tolist())
     return out
 
 
@@ -78,8 +110,9 @@ def test_logits_match_transformers(family):
     cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).to(torch.int32)
     meta = AttentionMetadata(cu, cu, max(map(len, seqs)), max(map(len, seqs)))
     with torch.no_grad():
-        ours = model.compute_logits(model(torch.tensor(sum(seqs, [])),
-                                          torch.cat([torch.arange(len(s)) for s in seqs]), meta))
+        ours = model.compute_logits(
+            model(torch.tensor(sum(seqs, [])), torch.cat([torch.arange(len(s)) for s in seqs]), meta)
+        )
         theirs = torch.cat([hf(torch.tensor([s])).logits[0] for s in seqs])
     assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-4, name
 
@@ -93,24 +126,33 @@ def test_greedy_tokens_match_transformers_generate(family):
 
 
 def test_family_specifics_are_built():
-    llama = build_model(LlamaConfig(**SMALL, rope_parameters=LLAMA3), None, torch.float32, torch.device("cpu"),
-                        load_format="dummy")
+    llama = build_model(
+        LlamaConfig(**SMALL, rope_parameters=LLAMA3), None, torch.float32, torch.device("cpu"), load_format="dummy"
+    )
     attn = llama.model.layers[0].self_attn
     assert not attn.qk_norm and not hasattr(attn, "q_norm") and attn.rotary_emb.rope_scaling["rope_type"] == "llama3"
     qwen2 = build_model(Qwen2Config(**SMALL), None, torch.float32, torch.device("cpu"), load_format="dummy")
     attn = qwen2.model.layers[0].self_attn
     assert attn.qkv_proj.bias is not None and attn.o_proj.bias is None and not attn.qk_norm
-    moe = build_model(FAMILIES["qwen3_moe sparse step 2, dense layer, no renorm"](), None, torch.float32,
-                      torch.device("cpu"), load_format="dummy")
+    moe = build_model(
+        FAMILIES["qwen3_moe sparse step 2, dense layer, no renorm"](),
+        None,
+        torch.float32,
+        torch.device("cpu"),
+        load_format="dummy",
+    )
     kinds = [type(layer.mlp).__name__ for layer in moe.model.layers]
-    assert kinds == ["Qwen3MLP", "Qwen3MoeSparseMoeBlock", "Qwen3MLP"]   # step 2: layer 1; layer 2 is mlp-only
+    assert kinds == ["Qwen3MLP", "Qwen3MoeSparseMoeBlock", "Qwen3MLP"]  # step 2: layer 1; layer 2 is mlp-only
 
 
 def test_experts_are_sharded_like_the_dense_mlp():
     E, H, I = 4, 16, 8
     g = torch.Generator().manual_seed(0)
-    parts = {(e, p): torch.randn((H, I) if p == "down_proj" else (I, H), generator=g)
-             for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")}
+    parts = {
+        (e, p): torch.randn((H, I) if p == "down_proj" else (I, H), generator=g)
+        for e in range(E)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    }
 
     def loaded(tp):
         m = FusedMoE(E, H, I, tp=tp)
@@ -121,13 +163,13 @@ def test_experts_are_sharded_like_the_dense_mlp():
 
     whole, ranks = loaded(TPGroup(0, 1)), [loaded(TPGroup(r, 2)) for r in range(2)]
     for e in range(E):
-        gate = torch.cat([r.w13_weight[e, :I // 2] for r in ranks])
-        up = torch.cat([r.w13_weight[e, I // 2:] for r in ranks])
+        gate = torch.cat([r.w13_weight[e, : I // 2] for r in ranks])
+        up = torch.cat([r.w13_weight[e, I // 2 :] for r in ranks])
         assert torch.equal(torch.cat([gate, up]), whole.w13_weight[e])
         assert torch.equal(torch.cat([r.w2_weight[e] for r in ranks], 1), whole.w2_weight[e])
     x, ids = torch.randn(5, H, generator=g), torch.randint(0, E, (5, 2), generator=g)
     w = torch.rand(5, 2, generator=g)
-    summed = sum(moe_experts_reference(x, r.w13_weight, r.w2_weight, w, ids) for r in ranks)   # the all-reduce's sum
+    summed = sum(moe_experts_reference(x, r.w13_weight, r.w2_weight, w, ids) for r in ranks)  # the all-reduce's sum
     torch.testing.assert_close(summed, whole(x, w, ids), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="expected shape"):
         whole.w13_weight.weight_loader(whole.w13_weight, torch.zeros(I + 1, H), (0, "up_proj"))
@@ -164,8 +206,10 @@ def test_dummy_weights_are_a_random_checkpoint_loaded(name, tmp_path):
     config.save_pretrained(tmp_path)
     cfg = load_config(tmp_path)
     spec = model_spec(cfg)
-    save_file(dict(dummy_checkpoint(spec.model_class(cfg, TPGroup()), spec.weight_mapping(cfg), seed=5)),
-              tmp_path / "model.safetensors")
+    save_file(
+        dict(dummy_checkpoint(spec.model_class(cfg, TPGroup()), spec.weight_mapping(cfg), seed=5)),
+        tmp_path / "model.safetensors",
+    )
     _, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     for tp in (TPGroup(), TPGroup(0, 2), TPGroup(1, 2)):
@@ -183,6 +227,7 @@ def test_unknown_family_lists_the_supported_ones(tmp_path):
 
 # ---- on a GPU: float32 greedy parity under CUDA graphs ------------------------------------------------------------
 
+
 @pytest.mark.gpu
 def test_gpu_greedy_parity_under_cuda_graphs(family):
     name, folder, hf = family
@@ -190,11 +235,17 @@ def test_gpu_greedy_parity_under_cuda_graphs(family):
     ids = prompts(hf.config.vocab_size)
     reference = hf_greedy(hf.cuda(), ids, 32)
     hf.cpu()
-    with LLM(str(folder), device="cuda", dtype="float32", skip_tokenizer_init=True, max_model_len=256,
-             gpu_memory_utilization=0.3) as llm:
-        assert llm.llm_engine.executor.runner.graphs is not None   # CUDA graphs were captured
+    with LLM(
+        str(folder),
+        device="cuda",
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        gpu_memory_utilization=0.3,
+    ) as llm:
+        assert llm.llm_engine.executor.runner.graphs is not None  # CUDA graphs were captured
         greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
         outs = llm.generate(ids, greedy, use_tqdm=False)
-        alone = llm.generate(ids[:1], greedy, use_tqdm=False)   # one sequence: the one-row path (norm_gemv)
+        alone = llm.generate(ids[:1], greedy, use_tqdm=False)  # one sequence: the one-row path (norm_gemv)
     assert [o.outputs[0].token_ids for o in outs] == reference, name
     assert alone[0].outputs[0].token_ids == reference[0], name

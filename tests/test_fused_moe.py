@@ -1,5 +1,6 @@
 """The fused mixture-of-experts kernel (notebook 06) against its reference loop, transformers' Qwen3-MoE experts and a
 dense computation: on the CPU in Triton's interpreter (tiny float32 shapes), on the GPU at Qwen3-30B-A3B's shapes."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,7 @@ H = 32
 def make_weights(E: int, I: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Random w13 [E, 2I, H] and w2 [E, H, I] in float32."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(E, 2 * I, H, generator=g) * H ** -0.5, torch.randn(E, H, I, generator=g) * I ** -0.5
+    return torch.randn(E, 2 * I, H, generator=g) * H**-0.5, torch.randn(E, H, I, generator=g) * I**-0.5
 
 
 def random_routing(T: int, E: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,10 +40,10 @@ def check_align(topk_ids: torch.Tensor, E: int, block_m: int) -> tuple[int, int]
     for b in range(total // block_m):
         e = int(expert_ids[b])
         assert 0 <= e < E
-        blk = sorted_ids[b * block_m:(b + 1) * block_m].long()
+        blk = sorted_ids[b * block_m : (b + 1) * block_m].long()
         assert bool((flat[blk[blk < n]] == e).all())  # each block's slots belong to its expert
         assert int((blk < n).sum()) > 0  # no all-padding block inside the total
-    assert bool((expert_ids[total // block_m:] >= E).all())
+    assert bool((expert_ids[total // block_m :] >= E).all())
     return sorted_ids.numel(), expert_ids.numel()
 
 
@@ -56,13 +57,13 @@ def test_align_invariants_and_static_shapes(block_m: int) -> None:
 
 CASES = [  # (T, E, k, I, routing)
     (12, 8, 2, 16, "random"),
-    (7, 6, 3, 32, "random"),   # E not a power of two
-    (1, 8, 2, 16, "random"),   # T=1: most experts never hit
-    (9, 5, 1, 16, "random"),   # k=1
-    (5, 3, 3, 16, "random"),   # k=E
-    (8, 8, 2, 16, "one"),      # every token to the same expert (one slot of each token)
-    (6, 7, 2, 16, "few"),      # only experts 0 and 6 hit
-    (6, 4, 1, 16, "one"),      # k=1, literally every token to one expert
+    (7, 6, 3, 32, "random"),  # E not a power of two
+    (1, 8, 2, 16, "random"),  # T=1: most experts never hit
+    (9, 5, 1, 16, "random"),  # k=1
+    (5, 3, 3, 16, "random"),  # k=E
+    (8, 8, 2, 16, "one"),  # every token to the same expert (one slot of each token)
+    (6, 7, 2, 16, "few"),  # only experts 0 and 6 hit
+    (6, 4, 1, 16, "one"),  # k=1, literally every token to one expert
 ]
 
 
@@ -95,8 +96,9 @@ def test_fused_moe_block_m_16_with_many_slots_per_expert() -> None:
     w, ids = random_routing(T, E, k, seed=3)
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)  # several N and K tiles
     ref = moe_experts_reference(x, w13, w2, w, ids)
-    torch.testing.assert_close(fused_moe(x, w13, w2, w, ids, config=cfg), ref,
-                               rtol=0, atol=1e-5 * ref.abs().max().item())
+    torch.testing.assert_close(
+        fused_moe(x, w13, w2, w, ids, config=cfg), ref, rtol=0, atol=1e-5 * ref.abs().max().item()
+    )
 
 
 def test_reference_matches_dense() -> None:
@@ -116,8 +118,9 @@ def test_matches_transformers_qwen3_moe_experts() -> None:
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     E, I, T, k = 6, 16, 9, 2
-    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E,
-                         num_experts_per_tok=k, hidden_act="silu")
+    cfg = Qwen3MoeConfig(
+        hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k, hidden_act="silu"
+    )
     cfg._experts_implementation = "eager"
     experts = Qwen3MoeExperts(cfg)
     w13, w2 = make_weights(E, I, seed=7)
@@ -147,13 +150,14 @@ def test_gpu_fused_moe_at_qwen3_30b_a3b_shapes(tokens: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(tokens)
     E, Hd, I, k = 128, 2048, 768, 8
     x = torch.randn(tokens, Hd, device="cuda", generator=g).bfloat16()
-    w13 = (torch.randn(E, 2 * I, Hd, device="cuda", generator=g) * Hd ** -0.5).bfloat16()
-    w2 = (torch.randn(E, Hd, I, device="cuda", generator=g) * I ** -0.5).bfloat16()
+    w13 = (torch.randn(E, 2 * I, Hd, device="cuda", generator=g) * Hd**-0.5).bfloat16()
+    w2 = (torch.randn(E, Hd, I, device="cuda", generator=g) * I**-0.5).bfloat16()
     w, ids = torch.randn(tokens, E, device="cuda", generator=g).softmax(-1).topk(k, dim=-1)
     w = w / w.sum(-1, keepdim=True)
     ref = moe_experts_reference(x.float(), w13.float(), w2.float(), w, ids)
     out = fused_moe(x, w13, w2, w, ids).float()
     assert (out - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
-    ref32 = moe_experts_reference(x[:4].float(), w13.float(), w2.float(), w[:4], ids[:4])   # float32: no tf32
-    torch.testing.assert_close(fused_moe(x[:4].float(), w13.float(), w2.float(), w[:4], ids[:4]), ref32,
-                               rtol=1e-4, atol=1e-5)
+    ref32 = moe_experts_reference(x[:4].float(), w13.float(), w2.float(), w[:4], ids[:4])  # float32: no tf32
+    torch.testing.assert_close(
+        fused_moe(x[:4].float(), w13.float(), w2.float(), w[:4], ids[:4]), ref32, rtol=1e-4, atol=1e-5
+    )

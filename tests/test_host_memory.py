@@ -1,5 +1,6 @@
 """Host memory on a CPU: the KV cache starts as zeros (the CPU decode relies on it), and `reuse_freed_memory` stops
 glibc from handing every step fresh pages to fault in."""
+
 from __future__ import annotations
 
 import os
@@ -21,12 +22,12 @@ def test_zeroed_cpu_tensor_is_zeros_of_the_shape_and_dtype_asked_for():
     for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
         t = zeroed_cpu_tensor((2, 3, 5, 4), dtype)
         assert t.shape == (2, 3, 5, 4) and t.dtype == dtype and bool((t.float() == 0).all())
-        t[1, 2] = 1   # writable, like any tensor
+        t[1, 2] = 1  # writable, like any tensor
         assert t.float().sum() == 20
 
 
 def test_cpu_kv_cache_starts_zeroed_even_where_freed_memory_held_nan():
-    reuse_freed_memory()   # freed blocks stay in the heap: a new torch.empty there would hold the NaN below
+    reuse_freed_memory()  # freed blocks stay in the heap: a new torch.empty there would hold the NaN below
     for _ in range(3):
         torch.full((1 << 22,), float("nan"))
     model = torch.nn.ModuleList([Attention(4, 16, 0.25, 2), Attention(4, 16, 0.25, 2)])
@@ -38,7 +39,7 @@ def test_cpu_kv_cache_starts_zeroed_even_where_freed_memory_held_nan():
 @linux_glibc
 @pytest.mark.timeout(120)
 def test_reuse_freed_memory_ends_the_page_faults_of_repeated_large_temporaries():
-    script = textwrap.dedent('''
+    script = textwrap.dedent("""
         import resource, torch
         from minivllm.engine.host_memory import reuse_freed_memory
         x, w = torch.randn(4096, 384), torch.randn(384, 2048)
@@ -51,10 +52,11 @@ def test_reuse_freed_memory_ends_the_page_faults_of_repeated_large_temporaries()
             return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
         default = faults()
         print(reuse_freed_memory(), default, faults())
-    ''')
-    env = {k: v for k, v in os.environ.items() if k != "MINIVLLM_MALLOC_REUSE"}   # glibc's defaults, then the change
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100, check=True,
-                         env=env)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "MINIVLLM_MALLOC_REUSE"}  # glibc's defaults, then the change
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=100, check=True, env=env
+    )
     took, default, reused = out.stdout.split()
     assert took == "True"
     assert int(default) > 5 * 8000 and int(reused) < int(default) / 100, out.stdout

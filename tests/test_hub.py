@@ -2,12 +2,13 @@
 cache (a cache folder the test builds, laid out as huggingface_hub lays it out), honours HF_HUB_OFFLINE, and says
 what to do when the model is not cached and the Hub is out of reach. Nothing here touches the network: the Hub's
 address is a local port nothing listens on."""
+
 import shutil
 
 import pytest
 from huggingface_hub import constants
 
-from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
+from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
 from minivllm.models.hub import resolve_model
 
 
@@ -41,7 +42,7 @@ def test_a_hub_id_loads_from_the_local_cache(cache, monkeypatch, offline):
     snapshot = add_to_cache(cache, "minivllm-test/tiny-qwen3")
     tokens, folder = greedy("minivllm-test/tiny-qwen3")
     assert folder == str(snapshot)
-    assert tokens == greedy(str(TINY_MODEL_PATH))[0]   # the same tokens as from the folder itself
+    assert tokens == greedy(str(TINY_MODEL_PATH))[0]  # the same tokens as from the folder itself
 
 
 @pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "hub unreachable"])
@@ -54,7 +55,7 @@ def test_an_uncached_hub_id_says_what_to_do(cache, monkeypatch, offline):
 
 def test_folders_and_other_names_are_left_alone(cache, tmp_path, monkeypatch):
     assert resolve_model(str(TINY_MODEL_PATH)) == str(TINY_MODEL_PATH)
-    assert resolve_model("no-slash-here") == "no-slash-here"   # not a Hub id: the loader says it is not a folder
+    assert resolve_model("no-slash-here") == "no-slash-here"  # not a Hub id: the loader says it is not a folder
     (tmp_path / "owner" / "name").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
-    assert resolve_model("owner/name") == "owner/name"         # a folder wins over a Hub id of the same name
+    assert resolve_model("owner/name") == "owner/name"  # a folder wins over a Hub id of the same name

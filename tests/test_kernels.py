@@ -10,6 +10,7 @@ head_dim 128) in bfloat16, block sizes 16 and 256, contexts up to 8k, batch up t
 2e-2 relative (bfloat16 keeps 8 significant bits: one rounding of a value near 1 is up to 4e-3, and the kernels round
 the softmax weights and the output to bfloat16).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,13 +32,29 @@ from hypothesis import strategies as st  # noqa: E402
 from minivllm.kernels import common  # noqa: E402
 from minivllm.kernels.activation import silu_mul  # noqa: E402
 from minivllm.kernels.bench import bench_copy, bench_decode  # noqa: E402
-from minivllm.kernels.cascade import (CASCADE_MIN_PREFIX, MAX_PREFIX_SPLITS, SHARED_BLOCK_M,  # noqa: E402
-                                      cascade_prefix_len, choose_prefix_splits, shared_prefix_len, use_cascade)
-from minivllm.kernels.paged_decode import (DECODE_BLOCK_N, MAX_SPLITS, choose_num_splits,  # noqa: E402
-                                           paged_decode_attention, plan_decode)
-from minivllm.kernels.paged_prefill import (PREFILL_BLOCK_M, paged_prefill_attention, plan_prefill,  # noqa: E402
-                                            varlen_prefill_attention)
+from minivllm.kernels.cascade import (
+    CASCADE_MIN_PREFIX,
+    MAX_PREFIX_SPLITS,
+    SHARED_BLOCK_M,  # noqa: E402
+    cascade_prefix_len,
+    choose_prefix_splits,
+    shared_prefix_len,
+    use_cascade,
+)
 from minivllm.kernels.gemv import gemv, norm_gemv  # noqa: E402
+from minivllm.kernels.paged_decode import (
+    DECODE_BLOCK_N,
+    MAX_SPLITS,
+    choose_num_splits,  # noqa: E402
+    paged_decode_attention,
+    plan_decode,
+)
+from minivllm.kernels.paged_prefill import (
+    PREFILL_BLOCK_M,
+    paged_prefill_attention,
+    plan_prefill,  # noqa: E402
+    varlen_prefill_attention,
+)
 from minivllm.kernels.qk_norm_rope import qk_norm_rope_store  # noqa: E402
 from minivllm.kernels.reference import paged_attention_ref, store_kvcache_ref, varlen_attention_ref  # noqa: E402
 from minivllm.kernels.store_kvcache import store_kvcache  # noqa: E402
@@ -48,14 +65,15 @@ CPU_TOL = dict(atol=2e-5, rtol=2e-5)
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)
 
 
-def random_step(q_lens, ctx_lens, block_size, heads=4, kv_heads=2, dim=8, dtype=torch.float32, device=DEVICE,
-                seed=0, spare_blocks=3):
+def random_step(
+    q_lens, ctx_lens, block_size, heads=4, kv_heads=2, dim=8, dtype=torch.float32, device=DEVICE, seed=0, spare_blocks=3
+):
     "A cache of shuffled blocks holding every sequence's K/V (random), the step's context, and its queries."
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // block_size) for n in ctx_lens]
     num_blocks = sum(need) + spare_blocks
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
+    tables = [perm[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(need))]
     shape = (num_blocks, block_size, kv_heads, dim)
     k_cache = torch.randn(shape, generator=g).to(device, dtype)
     v_cache = torch.randn(shape, generator=g).to(device, dtype)
@@ -70,12 +88,13 @@ def ref(q, k_cache, v_cache, ctx, scale):
 
 # ---------------------------------------------------------------- store_kvcache
 
+
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_store_kvcache_matches_reference_and_skips_negative_slots(block_size):
     g = torch.Generator().manual_seed(1)
     num_blocks, heads, dim, n = 5, 2, 8, 9
-    qkv = torch.randn(n, 3 * heads, dim, generator=g).to(DEVICE)   # k and v as strided slices of a packed projection
-    k, v = qkv[:, heads:2 * heads], qkv[:, 2 * heads:]
+    qkv = torch.randn(n, 3 * heads, dim, generator=g).to(DEVICE)  # k and v as strided slices of a packed projection
+    k, v = qkv[:, heads : 2 * heads], qkv[:, 2 * heads :]
     slots = torch.randperm(num_blocks * block_size, generator=g)[:n].to(DEVICE)
     slots[[2, 7]] = -1
     caches = [torch.randn(num_blocks, block_size, heads, dim, generator=g).to(DEVICE) for _ in range(2)]
@@ -89,8 +108,9 @@ def test_store_kvcache_matches_reference_and_skips_negative_slots(block_size):
             assert torch.equal(flat_k[slots[i]], k[i])
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots[slots >= 0].cpu()] = False
-    assert torch.equal(caches[1].view(-1, heads, dim)[untouched.to(DEVICE)],
-                       want[1].view(-1, heads, dim)[untouched.to(DEVICE)])
+    assert torch.equal(
+        caches[1].view(-1, heads, dim)[untouched.to(DEVICE)], want[1].view(-1, heads, dim)[untouched.to(DEVICE)]
+    )
 
 
 def test_kernels_reject_cpu_tensors_when_compiled(monkeypatch):
@@ -114,6 +134,7 @@ def test_store_kvcache_rejects_mismatches():
 
 # ---------------------------------------------------------------- decode
 
+
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -128,9 +149,8 @@ def test_decode_matches_reference(block_size, group, num_splits):
 def test_decode_tile_larger_and_smaller_than_a_block_and_odd_head_dim():
     q, kc, vc, ctx = random_step([1, 1], [37, 64], 16, heads=6, kv_heads=3, dim=24, seed=3)
     want = ref(q, kc, vc, ctx, 0.2)
-    for block_n in (16, 32):   # one block per tile, two blocks per tile
-        out = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.2, num_splits=2,
-                                     block_n=block_n)
+    for block_n in (16, 32):  # one block per tile, two blocks per tile
+        out = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.2, num_splits=2, block_n=block_n)
         torch.testing.assert_close(out, want, **CPU_TOL)
 
 
@@ -154,14 +174,18 @@ def test_decode_half_precision(dtype):
 
 
 def test_choose_num_splits():
-    assert choose_num_splits(256, 8, 1024, 64, 132) == 1          # 2048 programs already fill an H200
-    assert choose_num_splits(1, 8, 8192, 64, 132) == 32           # 8 programs -> 256
-    assert choose_num_splits(1, 8, 512, 64, 132) == 2             # never fewer than 4 tiles per split
-    assert choose_num_splits(1, 1, 10 ** 6, 64, 132) == MAX_SPLITS
+    assert choose_num_splits(256, 8, 1024, 64, 132) == 1  # 2048 programs already fill an H200
+    assert choose_num_splits(1, 8, 8192, 64, 132) == 32  # 8 programs -> 256
+    assert choose_num_splits(1, 8, 512, 64, 132) == 2  # never fewer than 4 tiles per split
+    assert choose_num_splits(1, 1, 10**6, 64, 132) == MAX_SPLITS
     assert choose_num_splits(4, 8, 16, 64, 132) == 1
     # at most 4 programs per SM, rounded down: the fastest counts of notebook 06's sweep (CUDA graphs, H200)
     assert [choose_num_splits(b, 8, c, 64, 132) for b, c in [(16, 4096), (32, 4096), (64, 4096), (32, 1024)]] == [
-        4, 2, 1, 2]
+        4,
+        2,
+        1,
+        2,
+    ]
 
 
 def test_decode_rejects_mismatched_shapes():
@@ -174,14 +198,15 @@ def test_decode_rejects_mismatched_shapes():
 
 # ---------------------------------------------------------------- prefill / mixed steps
 
-MIXED = dict(q_lens=[1, 5, 13, 1, 20], ctx_lens=[9, 9, 30, 1, 20])   # decode, chunk over a cached prefix, fresh prompt
+MIXED = dict(q_lens=[1, 5, 13, 1, 20], ctx_lens=[9, 9, 30, 1, 20])  # decode, chunk over a cached prefix, fresh prompt
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_mixed_step_matches_reference(block_size, group):
-    q, kc, vc, ctx = random_step(MIXED["q_lens"], MIXED["ctx_lens"], block_size, heads=2 * group, kv_heads=2,
-                                 seed=10 * block_size + group)
+    q, kc, vc, ctx = random_step(
+        MIXED["q_lens"], MIXED["ctx_lens"], block_size, heads=2 * group, kv_heads=2, seed=10 * block_size + group
+    )
     out = paged_prefill_attention(q, kc, vc, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, 0.3, block_n=16)
     torch.testing.assert_close(out, ref(q, kc, vc, ctx, 0.3), **CPU_TOL)
 
@@ -189,8 +214,9 @@ def test_mixed_step_matches_reference(block_size, group):
 def test_mixed_step_small_query_blocks_and_odd_group():
     "Query blocks of 4 tokens (many programs per sequence), a group of 3 padded to 4, head_dim 24 padded to 32."
     q, kc, vc, ctx = random_step(MIXED["q_lens"], MIXED["ctx_lens"], 4, heads=6, kv_heads=2, dim=24, seed=7)
-    out = paged_prefill_attention(q, kc, vc, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, 0.2,
-                                  block_m=16, block_n=32)
+    out = paged_prefill_attention(
+        q, kc, vc, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, 0.2, block_m=16, block_n=32
+    )
     torch.testing.assert_close(out, ref(q, kc, vc, ctx, 0.2), **CPU_TOL)
 
 
@@ -214,8 +240,9 @@ def test_mixed_step_split_between_the_prefill_and_decode_kernels(num_splits, gro
     paged_prefill_attention(q, kc, vc, cu, ctx.context_lens, ctx.block_tables, 0.3, out=out, skip_single=True)
     assert torch.isnan(out[one_token_rows]).all()
     torch.testing.assert_close(out[others], want[others], **CPU_TOL)
-    written = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.3, out=out, cu_seqlens_q=cu,
-                                     num_splits=num_splits)
+    written = paged_decode_attention(
+        q, kc, vc, ctx.context_lens, ctx.block_tables, 0.3, out=out, cu_seqlens_q=cu, num_splits=num_splits
+    )
     assert written is out
     torch.testing.assert_close(out, want, **CPU_TOL)
 
@@ -223,6 +250,7 @@ def test_mixed_step_split_between_the_prefill_and_decode_kernels(num_splits, gro
 def test_a_mixed_steps_merge_is_one_compiled_variant_whatever_its_split_count(monkeypatch):
     "SPLITS_PAD is a compile-time constant: a value not met before compiles a kernel, mid-run for an eager mixed step."
     from minivllm.kernels import paged_decode
+
     seen, kernel = [], paged_decode._merge_splits_kernel
 
     class Recorder:
@@ -230,6 +258,7 @@ def test_a_mixed_steps_merge_is_one_compiled_variant_whatever_its_split_count(mo
             def launch(*args, **kwargs):
                 seen.append(kwargs["SPLITS_PAD"])
                 return kernel[grid](*args, **kwargs)
+
             return launch
 
     monkeypatch.setattr(paged_decode, "_merge_splits_kernel", Recorder())
@@ -237,8 +266,9 @@ def test_a_mixed_steps_merge_is_one_compiled_variant_whatever_its_split_count(mo
     want = ref(q, kc, vc, ctx, 0.3)
     single = ctx.cu_seqlens_q[:-1][torch.tensor([n == 1 for n in MIXED["q_lens"]])].long()
     for splits in (2, 3, 5):
-        out = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.3,
-                                     cu_seqlens_q=ctx.cu_seqlens_q, num_splits=splits)
+        out = paged_decode_attention(
+            q, kc, vc, ctx.context_lens, ctx.block_tables, 0.3, cu_seqlens_q=ctx.cu_seqlens_q, num_splits=splits
+        )
         torch.testing.assert_close(out[single], want[single], **CPU_TOL)
     assert len(seen) == 3 and set(seen) == {common.next_pow2(paged_decode.MAX_SPLITS)}, seen
 
@@ -247,11 +277,11 @@ def test_mixed_decode_rejects_a_shared_prefix_and_bad_prefix_sums():
     q, kc, vc, ctx = random_step(MIXED["q_lens"], MIXED["ctx_lens"], 4, heads=2, kv_heads=2)
     prefix = torch.tensor([4], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="no shared prefix"):
-        paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.3, cu_seqlens_q=ctx.cu_seqlens_q,
-                               shared_prefix_len=prefix)
+        paged_decode_attention(
+            q, kc, vc, ctx.context_lens, ctx.block_tables, 0.3, cu_seqlens_q=ctx.cu_seqlens_q, shared_prefix_len=prefix
+        )
     with pytest.raises(ValueError, match="must be 1-D"):
-        paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.3,
-                               cu_seqlens_q=ctx.cu_seqlens_q[None])
+        paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.3, cu_seqlens_q=ctx.cu_seqlens_q[None])
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])
@@ -261,7 +291,7 @@ def test_varlen_without_cache_matches_reference(group):
     cu = torch.tensor([0, 7, 8, 27], dtype=torch.int32, device=DEVICE)
     q = torch.randn(27, 2 * group, 8, generator=g).to(DEVICE)
     kv = torch.randn(27, 4, 8, generator=g).to(DEVICE)
-    k, v = kv[:, :2], kv[:, 2:]                                     # strided views
+    k, v = kv[:, :2], kv[:, 2:]  # strided views
     out = varlen_prefill_attention(q, k, v, cu, cu, 0.4, block_n=16)
     assert sum(lens) == q.shape[0]
     torch.testing.assert_close(out, varlen_attention_ref(q, k, v, cu, cu, 0.4), **CPU_TOL)
@@ -284,13 +314,14 @@ def test_benchmarks_need_cuda():
 
 # ---------------------------------------------------------------- launch planning (pure functions)
 
+
 def test_plan_decode_worked_examples():
     # Qwen3-0.6B on an H200 (132 SMs), 256 sequences of up to 1024 tokens: 256 x 8 = 2048 programs already fill the
     # card (4 x 132 = 528 wanted), so no split; 16 / 8 = 2 query heads per KV head (a power of two already); a tile
     # of the shared-prefix kernel holds 128 rows = 64 sequences x 2 heads, so 256 sequences need 4 tiles.
     plain = plan_decode(256, 16, 8, 1024, 132)
     assert (plain.num_splits, plain.prefix_parts, plain.group_pad, plain.q_tiles) == (1, 0, 2, 4)
-    assert plain.num_parts == 1 and not plain.use_splits                 # one part: written straight to out
+    assert plain.num_parts == 1 and not plain.use_splits  # one part: written straight to out
     # cascade: the prefix kernel has 8 KV heads x 4 tiles = 32 programs; ceil(132 / 32) = 5 pieces of the prefix
     # fill the SMs; the own part is not split, so the decode kernel folds the 5 prefix parts in itself: no merge
     cascade = plan_decode(256, 16, 8, 1024, 132, cascade=True)
@@ -300,8 +331,8 @@ def test_plan_decode_worked_examples():
     # of 4 tiles; the prefix kernel's 8 x 1 programs want ceil(132 / 8) = 17 pieces, capped at 16
     long = plan_decode(1, 16, 8, 8192, 132, cascade=True)
     assert (long.num_splits, long.prefix_parts, long.q_tiles) == (32, MAX_PREFIX_SPLITS, 1) and MAX_PREFIX_SPLITS == 16
-    assert long.num_parts == 48 and long.use_splits and not long.fold_prefix   # 32 splits: the merge kernel
-    forced = plan_decode(1, 16, 8, 8192, 132, num_splits=1)             # a caller's num_splits wins (CUDA graphs)
+    assert long.num_parts == 48 and long.use_splits and not long.fold_prefix  # 32 splits: the merge kernel
+    forced = plan_decode(1, 16, 8, 8192, 132, num_splits=1)  # a caller's num_splits wins (CUDA graphs)
     assert (forced.num_splits, forced.prefix_parts, forced.num_parts, forced.use_splits) == (1, 0, 1, False)
     forced3 = plan_decode(1, 16, 8, 64, 132, num_splits=3)
     assert forced3.num_splits == 3 and forced3.num_parts == 3 and forced3.use_splits
@@ -312,20 +343,27 @@ def test_plan_decode_pads_odd_groups_and_tiles_large_ones():
     # sequences = 10 programs on 4 SMs want ceil(16 / 10) = 2 splits, but 100 positions are 2 tiles of 64: one split.
     odd = plan_decode(5, 6, 2, 100, 4)
     assert (odd.group_pad, odd.q_tiles, odd.num_splits, odd.prefix_parts) == (4, 1, 1, 0)
-    assert plan_decode(1, 5, 1, 16, 4).group_pad == 8                    # 5 -> 8
-    assert plan_decode(1, 8, 8, 16, 4).group_pad == 1                    # multi-head attention: no padding
+    assert plan_decode(1, 5, 1, 16, 4).group_pad == 8  # 5 -> 8
+    assert plan_decode(1, 8, 8, 16, 4).group_pad == 1  # multi-head attention: no padding
     # 256 query heads per KV head: the tile grows to 256 rows (one sequence), so 3 sequences need 3 tiles
     wide = plan_decode(3, 256, 1, 64, 4, cascade=True)
     assert (wide.group_pad, wide.q_tiles) == (256, 3)
-    assert wide.prefix_parts == 2                                       # 1 KV head x 3 tiles on 4 SMs: ceil(4 / 3)
+    assert wide.prefix_parts == 2  # 1 KV head x 3 tiles on 4 SMs: ceil(4 / 3)
     # 65 sequences of a group of 2 need a second 64-sequence tile
     assert plan_decode(65, 16, 8, 64, 132).q_tiles == 2 and plan_decode(64, 16, 8, 64, 132).q_tiles == 1
 
 
 @settings(max_examples=300, deadline=None)
-@given(batch=st.integers(1, 600), num_kv_heads=st.sampled_from([1, 2, 4, 8]), group=st.integers(1, 20),
-       max_context=st.integers(1, 40000), sms=st.sampled_from([1, 4, 16, 132]), cascade=st.booleans(),
-       block_n=st.sampled_from([16, 32, 64]), num_splits=st.sampled_from([None, 1, 2, 7]))
+@given(
+    batch=st.integers(1, 600),
+    num_kv_heads=st.sampled_from([1, 2, 4, 8]),
+    group=st.integers(1, 20),
+    max_context=st.integers(1, 40000),
+    sms=st.sampled_from([1, 4, 16, 132]),
+    cascade=st.booleans(),
+    block_n=st.sampled_from([16, 32, 64]),
+    num_splits=st.sampled_from([None, 1, 2, 7]),
+)
 def test_plan_decode_invariants(batch, num_kv_heads, group, max_context, sms, cascade, block_n, num_splits):
     num_heads = group * num_kv_heads
     plan = plan_decode(batch, num_heads, num_kv_heads, max_context, sms, cascade, block_n, num_splits)
@@ -334,7 +372,7 @@ def test_plan_decode_invariants(batch, num_kv_heads, group, max_context, sms, ca
         assert plan.num_splits == choose_num_splits(batch, num_kv_heads, max_context, block_n, sms)
         assert 1 <= plan.num_splits <= MAX_SPLITS
         tiles = math.ceil(max_context / block_n)
-        assert plan.num_splits <= max(1, math.ceil(tiles / 4))   # MIN_TILES_PER_SPLIT: no more than tiles / 4
+        assert plan.num_splits <= max(1, math.ceil(tiles / 4))  # MIN_TILES_PER_SPLIT: no more than tiles / 4
     else:
         assert plan.num_splits == num_splits
     # the group, padded to the next power of two
@@ -350,9 +388,9 @@ def test_plan_decode_invariants(batch, num_kv_heads, group, max_context, sms, ca
     else:
         assert plan.prefix_parts == 0
     assert plan.num_parts == plan.prefix_parts + plan.num_splits
-    assert plan.fold_prefix == (cascade and plan.num_splits == 1)   # an unsplit own part folds the prefix in
+    assert plan.fold_prefix == (cascade and plan.num_splits == 1)  # an unsplit own part folds the prefix in
     assert plan.use_splits == (plan.num_parts > 1 and not plan.fold_prefix)
-    assert plan.use_splits or plan.fold_prefix or plan.num_parts == 1   # every part is merged or folded
+    assert plan.use_splits or plan.fold_prefix or plan.num_parts == 1  # every part is merged or folded
 
 
 def test_plan_prefill_worked_examples():
@@ -384,23 +422,27 @@ def programs_of_sequences(lens, block_q, num_programs):
 
 
 @settings(max_examples=200, deadline=None)
-@given(lens=st.lists(st.integers(0, 300), min_size=1, max_size=8), num_kv_heads=st.sampled_from([1, 2, 8]),
-       group=st.integers(1, 40), block_m=st.sampled_from([None, 8, 16, 32, 64, 128]))
+@given(
+    lens=st.lists(st.integers(0, 300), min_size=1, max_size=8),
+    num_kv_heads=st.sampled_from([1, 2, 8]),
+    group=st.integers(1, 40),
+    block_m=st.sampled_from([None, 8, 16, 32, 64, 128]),
+)
 def test_plan_prefill_grid_covers_every_token(lens, num_kv_heads, group, block_m):
     block, block_q, grid = plan_prefill(sum(lens), len(lens), group * num_kv_heads, num_kv_heads, block_m)
     group_pad = 1 << (group - 1).bit_length()
     assert block >= 16 and block >= group and block >= (block_m or PREFILL_BLOCK_M)
-    assert block == max(block_m or PREFILL_BLOCK_M, group_pad, 16)     # all powers of two: the smallest that fits
+    assert block == max(block_m or PREFILL_BLOCK_M, group_pad, 16)  # all powers of two: the smallest that fits
     assert block_q * group_pad == block and block_q >= 1
     assert grid == (sum(lens) // block_q + len(lens), num_kv_heads)
     covered = programs_of_sequences(lens, block_q, grid[0])
-    assert sorted(covered) == [(i, t) for i, n in enumerate(lens) for t in range(n)]   # every token, exactly once
+    assert sorted(covered) == [(i, t) for i, n in enumerate(lens) for t in range(n)]  # every token, exactly once
 
 
 # ---------------------------------------------------------------- GPU, real sizes (Qwen3-0.6B: 16 heads, 8 KV heads, 128)
 
 QWEN = dict(heads=16, kv_heads=8, dim=128, dtype=torch.bfloat16, device="cuda")
-SCALE = 128 ** -0.5
+SCALE = 128**-0.5
 
 
 @pytest.mark.gpu
@@ -431,8 +473,13 @@ def test_gpu_decode_long_contexts_split_kv(block_size):
 def test_gpu_mixed_step(block_size):
     # decode tokens, chunks over long cached prefixes, a fresh 2048-token prompt
     q_lens = [1] * 32 + [512, 1000, 2048, 7, 300]
-    ctx_lens = [int(x) for x in torch.randint(1, 8193, (32,), generator=torch.Generator().manual_seed(3))] + \
-        [8192, 4000, 2048, 700, 300]
+    ctx_lens = [int(x) for x in torch.randint(1, 8193, (32,), generator=torch.Generator().manual_seed(3))] + [
+        8192,
+        4000,
+        2048,
+        700,
+        300,
+    ]
     q, kc, vc, ctx = random_step(q_lens, ctx_lens, block_size, seed=4, **QWEN)
     out = paged_prefill_attention(q, kc, vc, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, SCALE)
     torch.testing.assert_close(out.float(), ref(q, kc, vc, ctx, SCALE).float(), **BF16_TOL)
@@ -468,7 +515,7 @@ def test_gpu_store_kvcache(block_size):
 def test_gpu_decode_cuda_graph_replays_with_new_lengths():
     "The grid depends only on shapes: capture once, then change lengths and tables in place, and replay."
     q, kc, vc, ctx = random_step([1] * 16, [100] * 16, 16, seed=7, spare_blocks=2000, **QWEN)
-    block_tables = torch.full((16, 128), -1, dtype=torch.int32, device="cuda")   # capacity 128 blocks = 2048 tokens
+    block_tables = torch.full((16, 128), -1, dtype=torch.int32, device="cuda")  # capacity 128 blocks = 2048 tokens
     block_tables[:, :7] = ctx.block_tables
     context_lens = ctx.context_lens.clone()
     out = torch.empty_like(q)
@@ -476,15 +523,15 @@ def test_gpu_decode_cuda_graph_replays_with_new_lengths():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        run()                                  # compile outside the capture
+        run()  # compile outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
     g = torch.Generator().manual_seed(8)
     new_lens = torch.randint(0, 2049, (16,), generator=g)
-    new_lens[0] = 0                            # a padding slot
-    new_tables = torch.randperm(kc.shape[0], generator=g)[:16 * 128].view(16, 128)
+    new_lens[0] = 0  # a padding slot
+    new_tables = torch.randperm(kc.shape[0], generator=g)[: 16 * 128].view(16, 128)
     context_lens.copy_(new_lens)
     block_tables.copy_(new_tables)
     graph.replay()
@@ -497,27 +544,54 @@ def test_gpu_decode_cuda_graph_replays_with_new_lengths():
 
 # ---------------------------------------------------------------- cascade: a prefix the whole decode batch shares
 
+
 def shared_prefix_step(prefix_blocks, own_lens, block_size, seed=0, **kw):
     "A decode step whose sequences all start with the same `prefix_blocks` blocks, then `own_lens` tokens of their own."
-    q, kc, vc, ctx = random_step([1] * len(own_lens), [prefix_blocks * block_size + n for n in own_lens], block_size,
-                                 seed=seed, spare_blocks=prefix_blocks, **kw)
+    q, kc, vc, ctx = random_step(
+        [1] * len(own_lens),
+        [prefix_blocks * block_size + n for n in own_lens],
+        block_size,
+        seed=seed,
+        spare_blocks=prefix_blocks,
+        **kw,
+    )
     tables = ctx.block_tables.clone()
-    tables[:, :prefix_blocks] = tables[0, :prefix_blocks]   # every row points at row 0's prefix blocks
+    tables[:, :prefix_blocks] = tables[0, :prefix_blocks]  # every row points at row 0's prefix blocks
     lens = ctx.context_lens
-    return q, kc, vc, AttentionMetadata.build([1] * len(own_lens), lens.tolist(), [
-        [b for b in row if b >= 0] for row in tables.tolist()], block_size, device=q.device)
+    return (
+        q,
+        kc,
+        vc,
+        AttentionMetadata.build(
+            [1] * len(own_lens),
+            lens.tolist(),
+            [[b for b in row if b >= 0] for row in tables.tolist()],
+            block_size,
+            device=q.device,
+        ),
+    )
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("group", [1, 2, 3])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_cascade_decode_matches_reference(block_size, group, num_splits):
-    q, kc, vc, ctx = shared_prefix_step(3, [1, 9, 40, 17, 64], block_size, heads=2 * group, kv_heads=2,
-                                        seed=block_size + group)
+    q, kc, vc, ctx = shared_prefix_step(
+        3, [1, 9, 40, 17, 64], block_size, heads=2 * group, kv_heads=2, seed=block_size + group
+    )
     prefix = shared_prefix_len(ctx.block_tables.cpu().numpy(), ctx.context_lens.cpu().numpy(), block_size)
     assert prefix == 3 * block_size
-    out = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.3, num_splits=num_splits,
-                                 block_n=16, shared_prefix_len=torch.tensor([prefix], dtype=torch.int32, device=DEVICE))
+    out = paged_decode_attention(
+        q,
+        kc,
+        vc,
+        ctx.context_lens,
+        ctx.block_tables,
+        0.3,
+        num_splits=num_splits,
+        block_n=16,
+        shared_prefix_len=torch.tensor([prefix], dtype=torch.int32, device=DEVICE),
+    )
     torch.testing.assert_close(out, ref(q, kc, vc, ctx, 0.3), **CPU_TOL)
 
 
@@ -527,41 +601,60 @@ def test_cascade_with_padding_rows_and_empty_prefix():
     lens = ctx.context_lens.clone()
     lens[2] = 0
     want = ref(q, kc, vc, ctx, 0.5)
-    for prefix, splits in itertools.product((8, 0), (1, 2)):   # 1: the prefix folded in, 2: merged
-        out = paged_decode_attention(q, kc, vc, lens, ctx.block_tables, 0.5, num_splits=splits, block_n=16,
-                                     shared_prefix_len=torch.tensor([prefix], dtype=torch.int32, device=DEVICE))
+    for prefix, splits in itertools.product((8, 0), (1, 2)):  # 1: the prefix folded in, 2: merged
+        out = paged_decode_attention(
+            q,
+            kc,
+            vc,
+            lens,
+            ctx.block_tables,
+            0.5,
+            num_splits=splits,
+            block_n=16,
+            shared_prefix_len=torch.tensor([prefix], dtype=torch.int32, device=DEVICE),
+        )
         torch.testing.assert_close(out[:2], want[:2], **CPU_TOL)
         assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
 def test_cascade_bfloat16():
     q, kc, vc, ctx = shared_prefix_step(4, [2, 30, 11], 16, heads=4, kv_heads=2, dim=16, dtype=torch.bfloat16, seed=10)
-    out = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.25, block_n=16,
-                                 shared_prefix_len=torch.tensor([64], dtype=torch.int32, device=DEVICE))
+    out = paged_decode_attention(
+        q,
+        kc,
+        vc,
+        ctx.context_lens,
+        ctx.block_tables,
+        0.25,
+        block_n=16,
+        shared_prefix_len=torch.tensor([64], dtype=torch.int32, device=DEVICE),
+    )
     torch.testing.assert_close(out.float(), ref(q, kc, vc, ctx, 0.25).float(), **BF16_TOL)
 
 
 def test_cascade_rejects_a_bad_prefix_tensor():
     q, kc, vc, ctx = shared_prefix_step(1, [2, 3], 4)
-    for bad in (torch.tensor([4], dtype=torch.int64, device=DEVICE), torch.tensor([4, 4], dtype=torch.int32,
-                                                                                   device=DEVICE)):
+    for bad in (
+        torch.tensor([4], dtype=torch.int64, device=DEVICE),
+        torch.tensor([4, 4], dtype=torch.int32, device=DEVICE),
+    ):
         with pytest.raises(ValueError, match="shared_prefix_len"):
             paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, 0.5, shared_prefix_len=bad)
 
 
 def test_shared_prefix_len_and_use_cascade():
     tables = np.array([[5, 6, 7, -1], [5, 6, 8, 9], [5, 6, 7, 3]], dtype=np.int32)
-    assert shared_prefix_len(tables, np.array([12, 16, 16]), 4) == 8      # blocks 5, 6
-    assert shared_prefix_len(tables[[0, 2]], np.array([12, 16]), 4) == 8   # 5, 6, 7 shared, but row 0 ends in 7
+    assert shared_prefix_len(tables, np.array([12, 16, 16]), 4) == 8  # blocks 5, 6
+    assert shared_prefix_len(tables[[0, 2]], np.array([12, 16]), 4) == 8  # 5, 6, 7 shared, but row 0 ends in 7
     assert shared_prefix_len(tables[[0, 2]], np.array([13, 16]), 4) == 12
-    assert shared_prefix_len(tables[:1], np.array([12]), 4) == 0           # one sequence: nothing to share
+    assert shared_prefix_len(tables[:1], np.array([12]), 4) == 0  # one sequence: nothing to share
     assert shared_prefix_len(np.array([[1, 2], [3, 2]], dtype=np.int32), np.array([8, 8]), 4) == 0
     assert shared_prefix_len(np.array([[1, 2], [1, 2]], dtype=np.int32), np.array([8, 5]), 4) == 4
     assert use_cascade(256, 1024) and use_cascade(193, 1024) and not use_cascade(192, 1024)
     assert use_cascade(128, 2048) and not use_cascade(128, 1024)
     shared = np.column_stack([np.full(256, 3), np.full(256, 4), np.arange(10, 266)]).astype(np.int32)
-    assert cascade_prefix_len(shared, np.full(256, 1100), 512) == 1024                  # pays: read it once
-    assert cascade_prefix_len(shared[:64], np.full(64, 1100), 512) == 0                 # too few sequences
+    assert cascade_prefix_len(shared, np.full(256, 1100), 512) == 1024  # pays: read it once
+    assert cascade_prefix_len(shared[:64], np.full(64, 1100), 512) == 0  # too few sequences
     assert not use_cascade(256, CASCADE_MIN_PREFIX - 16) and not use_cascade(1, 4096)
 
 
@@ -574,12 +667,14 @@ def test_gpu_cascade_batch_256(block_size):
     prefix = torch.tensor([1024], dtype=torch.int32, device="cuda")
     want = ref(q, kc, vc, ctx, SCALE).float()
     for splits in (1, None):
-        out = paged_decode_attention(q, kc, vc, ctx.context_lens, ctx.block_tables, SCALE, num_splits=splits,
-                                     shared_prefix_len=prefix)
+        out = paged_decode_attention(
+            q, kc, vc, ctx.context_lens, ctx.block_tables, SCALE, num_splits=splits, shared_prefix_len=prefix
+        )
         torch.testing.assert_close(out.float(), want, **BF16_TOL)
 
 
 # ---- q/k norm, rotary embedding and the KV write in one kernel (notebook 06) ---------------------------------------
+
 
 def plain_prologue(qkv, heads, kv_heads, dim, q_norm, k_norm, rope, positions, slots, k_cache, v_cache):
     "The model's plain path: split, RMSNorm per head, rotate, then the reference write."
@@ -595,25 +690,39 @@ def plain_prologue(qkv, heads, kv_heads, dim, q_norm, k_norm, rope, positions, s
 def check_prologue(dtype, heads, kv_heads, dim, norm, device=DEVICE, n=7, tol=2e-5):
     from minivllm.layers.layernorm import RMSNorm
     from minivllm.layers.rotary_embedding import get_rope
+
     g = torch.Generator().manual_seed(heads * dim)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g).to(device, dtype)
     q_norm = k_norm = None
     if norm:
         q_norm, k_norm = RMSNorm(dim).to(device, dtype), RMSNorm(dim).to(device, dtype)
         with torch.no_grad():
-            q_norm.weight.copy_(torch.rand(dim, generator=g) + 0.5), k_norm.weight.copy_(torch.rand(dim, generator=g) + 0.5)
+            (
+                q_norm.weight.copy_(torch.rand(dim, generator=g) + 0.5),
+                k_norm.weight.copy_(torch.rand(dim, generator=g) + 0.5),
+            )
     rope = get_rope(dim, dim, 4096, 1e6).to(device)
     positions = torch.randint(0, 4096, (n,), generator=g).to(device)
-    slots = torch.tensor([0, 3, -1, 9, 22, 23, 10][:n]).to(device)   # a padding token (slot -1) in the middle
+    slots = torch.tensor([0, 3, -1, 9, 22, 23, 10][:n]).to(device)  # a padding token (slot -1) in the middle
     caches = [torch.zeros(6, 4, kv_heads, dim, device=device, dtype=dtype) for _ in range(4)]
     with torch.no_grad():
         want = plain_prologue(qkv, heads, kv_heads, dim, q_norm, k_norm, rope, positions, slots, *caches[:2])
-        got = qk_norm_rope_store(qkv, heads, kv_heads, dim, q_norm.weight if norm else None,
-                                 k_norm.weight if norm else None, 1e-6, rope.cos_sin_cache, positions, slots,
-                                 *caches[2:])
+        got = qk_norm_rope_store(
+            qkv,
+            heads,
+            kv_heads,
+            dim,
+            q_norm.weight if norm else None,
+            k_norm.weight if norm else None,
+            1e-6,
+            rope.cos_sin_cache,
+            positions,
+            slots,
+            *caches[2:],
+        )
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     torch.testing.assert_close(caches[2], caches[0], atol=tol, rtol=tol)
-    assert torch.equal(caches[3], caches[1])   # the values are copied, bit for bit
+    assert torch.equal(caches[3], caches[1])  # the values are copied, bit for bit
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,norm", [(4, 2, 16, True), (3, 1, 32, False), (16, 8, 128, True)])
@@ -633,10 +742,25 @@ def test_qk_norm_rope_store_bfloat16_on_gpu():
 
 def test_qk_norm_rope_store_rejects_mismatches():
     cache = torch.zeros(2, 4, 2, 16, device=DEVICE)
-    table, pos, slots = torch.zeros(64, 16, device=DEVICE), torch.zeros(3, dtype=torch.long, device=DEVICE), \
-        torch.zeros(3, dtype=torch.long, device=DEVICE)
-    call = lambda qkv, dim=16, c=cache: qk_norm_rope_store(qkv, 4, 2, dim, None, None, 1e-6, table, pos, slots, c,  # noqa: E731
-                                                           c.clone())
+    table, pos, slots = (
+        torch.zeros(64, 16, device=DEVICE),
+        torch.zeros(3, dtype=torch.long, device=DEVICE),
+        torch.zeros(3, dtype=torch.long, device=DEVICE),
+    )
+    call = lambda qkv, dim=16, c=cache: qk_norm_rope_store(
+        qkv,
+        4,
+        2,
+        dim,
+        None,
+        None,
+        1e-6,
+        table,
+        pos,
+        slots,
+        c,  # noqa: E731
+        c.clone(),
+    )
     with pytest.raises(ValueError, match="qkv must be"):
         call(torch.zeros(3, 100, device=DEVICE))
     with pytest.raises(ValueError, match="power of two"):
@@ -647,15 +771,16 @@ def test_qk_norm_rope_store_rejects_mismatches():
 
 # --- one row's products (gemv) and the MLP's activation (silu_mul), notebook 06's last section ---
 
+
 def plain_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.float().chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
 
-@pytest.mark.parametrize("n, k", [(40, 1100), (7, 64), (41, 33)])   # two loop steps; one; N past a 2-row tile
+@pytest.mark.parametrize("n, k", [(40, 1100), (7, 64), (41, 33)])  # two loop steps; one; N past a 2-row tile
 def test_gemv_matches_f_linear(n, k):
     g = torch.Generator().manual_seed(n)
-    x, w = torch.randn(1, k, generator=g).to(DEVICE), (torch.randn(n, k, generator=g) * k ** -0.5).to(DEVICE)
+    x, w = torch.randn(1, k, generator=g).to(DEVICE), (torch.randn(n, k, generator=g) * k**-0.5).to(DEVICE)
     torch.testing.assert_close(gemv(x, w), torch.nn.functional.linear(x, w), atol=2e-5, rtol=2e-5)
 
 
@@ -670,11 +795,12 @@ def test_gemv_fused_with_the_activation():
 def test_gemv_with_the_early_launchs_tiles(monkeypatch, n, k, fuse):
     "The tiles gemv takes when launched early (a whole row of up to 4,096 inputs), in the interpreter (no early launch)."
     from minivllm.kernels import gemv as gemv_module
+
     tiles = gemv_module.gemv_tiles
     assert tiles(1024, 3072, True) == (1, 4096) and tiles(1024, 3072) == (2, 1024)
     monkeypatch.setattr(gemv_module, "gemv_tiles", lambda n, k, pdl=False: tiles(n, k, True))
     g = torch.Generator().manual_seed(k)
-    x, w = torch.randn(1, k, generator=g).to(DEVICE), (torch.randn(2 * n if fuse else n, k, generator=g) * k ** -0.5)
+    x, w = torch.randn(1, k, generator=g).to(DEVICE), (torch.randn(2 * n if fuse else n, k, generator=g) * k**-0.5)
     want = torch.nn.functional.linear(x, w.to(DEVICE))
     want = plain_silu_and_mul(want) if fuse else want
     torch.testing.assert_close(gemv(x, w.to(DEVICE), fuse_silu=fuse), want, atol=2e-5, rtol=2e-5)
@@ -682,20 +808,27 @@ def test_gemv_with_the_early_launchs_tiles(monkeypatch, n, k, fuse):
 
 def test_gemv_rejects_what_it_does_not_compute():
     w = torch.zeros(8, 16, device=DEVICE)
-    for x, weight, fuse in [(torch.zeros(2, 16), w, False), (torch.zeros(1, 12), w, False),
-                            (torch.zeros(1, 16, dtype=torch.float16), w, False), (torch.zeros(1, 16), w[:7], True)]:
+    for x, weight, fuse in [
+        (torch.zeros(2, 16), w, False),
+        (torch.zeros(1, 12), w, False),
+        (torch.zeros(1, 16, dtype=torch.float16), w, False),
+        (torch.zeros(1, 16), w[:7], True),
+    ]:
         with pytest.raises(ValueError, match="gemv takes one row"):
             gemv(x.to(DEVICE), weight, fuse_silu=fuse)
 
 
-@pytest.mark.parametrize("n, k, residual, fuse", [(40, 1100, True, False), (7, 64, False, False),
-                                                (2 * 36, 300, True, True), (2 * 5, 33, False, True)])
+@pytest.mark.parametrize(
+    "n, k, residual, fuse",
+    [(40, 1100, True, False), (7, 64, False, False), (2 * 36, 300, True, True), (2 * 5, 33, False, True)],
+)
 def test_norm_gemv_matches_the_norm_then_the_product(n, k, residual, fuse):
     "rms_norm(x + residual) * w_norm, then F.linear (and the activation), against the one kernel; the sum it returns."
     from minivllm.layers.layernorm import add_rms_norm, rms_norm
+
     g = torch.Generator().manual_seed(n + k)
     x, res = torch.randn(1, k, generator=g).to(DEVICE), torch.randn(1, k, generator=g).to(DEVICE)
-    nw, w = 1 + 0.1 * torch.randn(k, generator=g).to(DEVICE), (torch.randn(n, k, generator=g) * k ** -0.5).to(DEVICE)
+    nw, w = 1 + 0.1 * torch.randn(k, generator=g).to(DEVICE), (torch.randn(n, k, generator=g) * k**-0.5).to(DEVICE)
     normed, total = add_rms_norm(x, res, nw, 1e-6) if residual else (rms_norm(x, nw, 1e-6), x)
     want = torch.nn.functional.linear(normed, w)
     y, carried = norm_gemv(x, res if residual else None, nw, 1e-6, w, fuse_silu=fuse)
@@ -716,9 +849,9 @@ def test_norm_gemv_rejects_what_it_does_not_compute():
 
 def test_silu_mul_matches_the_plain_expression():
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(3, 2, 2 * 1100, generator=g).to(DEVICE)          # 3-d, two column tiles
+    x = torch.randn(3, 2, 2 * 1100, generator=g).to(DEVICE)  # 3-d, two column tiles
     torch.testing.assert_close(silu_mul(x), plain_silu_and_mul(x), atol=2e-6, rtol=2e-6)
-    wide = torch.randn(5, 2 * 1100 + 10, generator=g).to(DEVICE)[:, 10:]   # rows not contiguous with each other
+    wide = torch.randn(5, 2 * 1100 + 10, generator=g).to(DEVICE)[:, 10:]  # rows not contiguous with each other
     torch.testing.assert_close(silu_mul(wide), plain_silu_and_mul(wide), atol=2e-6, rtol=2e-6)
     assert silu_mul(torch.zeros(0, 8, device=DEVICE)).shape == (0, 4)
     with pytest.raises(ValueError, match="even last dimension"):
@@ -732,24 +865,27 @@ def test_gemv_and_silu_mul_at_qwen3_shapes_on_gpu():
     from minivllm.layers.activation import SiluAndMul
     from minivllm.layers.linear import ReplicatedLinear
     from minivllm.models.qwen3 import Qwen3MLP
+
     g = torch.Generator(device="cuda").manual_seed(0)
     for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]:
         x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
-        w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
+        w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
         want = torch.nn.functional.linear(x.float(), w.float())
         torch.testing.assert_close(gemv(x, w).float(), want, atol=2e-2, rtol=2e-2)
         if n == 6144:
-            torch.testing.assert_close(gemv(x, w, fuse_silu=True).float(), plain_silu_and_mul(want), atol=2e-2,
-                                       rtol=2e-2)
+            torch.testing.assert_close(
+                gemv(x, w, fuse_silu=True).float(), plain_silu_and_mul(want), atol=2e-2, rtol=2e-2
+            )
     x = torch.randn(16384, 6144, device="cuda", generator=g).bfloat16()
     torch.testing.assert_close(silu_mul(x).float(), plain_silu_and_mul(x), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(SiluAndMul()(x).float(), plain_silu_and_mul(x), atol=2e-2, rtol=2e-2)
     layer = ReplicatedLinear(1024, 4096).cuda().bfloat16()
     torch.nn.init.normal_(layer.weight, std=0.03)
-    for rows in (1, 3):   # one row: gemv; three: cuBLAS
+    for rows in (1, 3):  # one row: gemv; three: cuBLAS
         x = torch.randn(rows, 1024, device="cuda", generator=g).bfloat16()
-        torch.testing.assert_close(layer(x).float(), torch.nn.functional.linear(x.float(), layer.weight.float()),
-                                   atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            layer(x).float(), torch.nn.functional.linear(x.float(), layer.weight.float()), atol=2e-2, rtol=2e-2
+        )
     mlp = Qwen3MLP(1024, 3072).cuda().bfloat16()
     for p in mlp.parameters():
         torch.nn.init.normal_(p, std=0.03)
@@ -768,26 +904,34 @@ def test_norm_gemv_and_the_decoder_layers_one_row_path_on_gpu():
     from minivllm.layers.layernorm import add_rms_norm
     from minivllm.layers.rotary_embedding import get_rope
     from minivllm.models.qwen3 import Qwen3DecoderLayer
+
     g = torch.Generator(device="cuda").manual_seed(0)
     for n, fuse in [(4096, False), (6144, True)]:
         x, res = (torch.randn(1, 1024, device="cuda", generator=g).bfloat16() for _ in range(2))
         nw = (1 + 0.1 * torch.randn(1024, device="cuda", generator=g)).bfloat16()
-        w = (torch.randn(n, 1024, device="cuda", generator=g) * 1024 ** -0.5).bfloat16()
+        w = (torch.randn(n, 1024, device="cuda", generator=g) * 1024**-0.5).bfloat16()
         normed, total = add_rms_norm(x, res, nw, 1e-6)
         want = torch.nn.functional.linear(normed.float(), w.float())
         y, carried = norm_gemv(x, res, nw, 1e-6, w, fuse_silu=fuse)
-        assert torch.equal(carried, total)   # the sum rounds as the plain add does
+        assert torch.equal(carried, total)  # the sum rounds as the plain add does
         torch.testing.assert_close(y.float(), plain_silu_and_mul(want) if fuse else want, atol=2e-2, rtol=2e-2)
-    config = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
-                         head_dim=128, num_hidden_layers=1, vocab_size=1000)
-    layer = Qwen3DecoderLayer(config, get_rope(128, 128, 4096, 1e6)).cuda()   # float32: the paths differ only in
-    for p in layer.parameters():                                              # the order of their sums
+    config = Qwen3Config(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        num_hidden_layers=1,
+        vocab_size=1000,
+    )
+    layer = Qwen3DecoderLayer(config, get_rope(128, 128, 4096, 1e6)).cuda()  # float32: the paths differ only in
+    for p in layer.parameters():  # the order of their sums
         torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.03)
     x, res = (torch.randn(1, 1024, device="cuda", generator=g) for _ in range(2))
     pos = torch.tensor([5], device="cuda")
     assert layer.norms_in_products(x)
     fused = [layer(pos, x, r) for r in (res, None)]
-    layer.norms_in_products = lambda x: False   # the plain path, for the same row
+    layer.norms_in_products = lambda x: False  # the plain path, for the same row
     plain = [layer(pos, x, r) for r in (res, None)]
     for (out, carried), (want_out, want_carried) in zip(fused, plain):
         torch.testing.assert_close(carried, want_carried, atol=1e-5, rtol=1e-5)
@@ -797,7 +941,9 @@ def test_norm_gemv_and_the_decoder_layers_one_row_path_on_gpu():
 @pytest.mark.parametrize("value, on", [(None, True), ("0", False)])
 def test_minivllm_pdl_switches_early_launch(value, on):
     "Early launch is on unless MINIVLLM_PDL=0 (read once, at import)."
-    env = {k: v for k, v in os.environ.items() if k != "MINIVLLM_PDL"} | ({} if value is None else {"MINIVLLM_PDL": value})
+    env = {k: v for k, v in os.environ.items() if k != "MINIVLLM_PDL"} | (
+        {} if value is None else {"MINIVLLM_PDL": value}
+    )
     code = "from minivllm.kernels import common; print(common.ENABLE_PDL)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == str(on)
@@ -821,6 +967,7 @@ def test_early_launch_changes_no_bits_on_gpu(monkeypatch):
     """A decode step's kernels (4 layers, batch 1) replayed from CUDA graphs, launched plainly and early: the same bits
     on every replay, and the same results to bfloat16 rounding (launched early, gemv sums a row in one tile)."""
     from tools.pdl_probe import decode_step_kernels
+
     step = decode_step_kernels(layers=4, context=2048)
     outs = {}
     for early in (False, True):
@@ -830,7 +977,7 @@ def test_early_launch_changes_no_bits_on_gpu(monkeypatch):
         with torch.cuda.graph(graph):
             out = step()
         results = []
-        for _ in range(20):   # replayed back to back: a read too early would show as a difference
+        for _ in range(20):  # replayed back to back: a read too early would show as a difference
             graph.replay()
             results.append(out.clone())
         torch.cuda.synchronize()

@@ -2,6 +2,7 @@
 Triton kernels (in the interpreter here, on the GPU under -m gpu) read it and agree with the reference run on the
 rounded cache; the engine runs with it on the CPU, sizes 4x the blocks of a float32 cache, and its greedy tokens
 stay close to the 16-bit cache's on the embedded model."""
+
 from __future__ import annotations
 
 import math
@@ -9,7 +10,7 @@ import math
 import pytest
 import torch
 
-from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
+from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
 from minivllm.kernels.paged_decode import paged_decode_attention
 from minivllm.kernels.paged_prefill import paged_prefill_attention
 from minivllm.kernels.reference import paged_attention_ref, store_kvcache_ref
@@ -28,13 +29,13 @@ def step(q_lens, ctx_lens, device="cpu", dtype=torch.float32, seed=0, outlier=Fa
     for n in ctx_lens:
         tables.append(list(range(used, used + -(-n // BLOCK))))
         used += len(tables[-1])
-    perm = torch.randperm(used + 2, generator=g).tolist()   # blocks scattered
+    perm = torch.randperm(used + 2, generator=g).tolist()  # blocks scattered
     tables = [[perm[b] for b in t] for t in tables]
     full = AttentionMetadata.build(ctx_lens, ctx_lens, tables, BLOCK, device)
     k = torch.randn(sum(ctx_lens), HKV, D, generator=g).to(device, dtype)
     v = torch.randn(sum(ctx_lens), HKV, D, generator=g).to(device, dtype)
     if outlier:
-        k[0, 0, 0] = 1000.0                                  # beyond e4m3's range: clamped to 448
+        k[0, 0, 0] = 1000.0  # beyond e4m3's range: clamped to 448
     caches = {}
     for name, cache_dtype in [("16", dtype), ("8", FP8)]:
         kc = torch.zeros(used + 2, BLOCK, HKV, D, dtype=cache_dtype, device=device)
@@ -50,7 +51,7 @@ def test_store_rounds_to_e4m3_and_clamps_like_the_torch_path():
     q, meta, caches, (k, v, slots) = step([1, 1], [9, 5], outlier=True)
     kc8, vc8 = caches["8"]
     ref_k, ref_v = torch.zeros_like(kc8), torch.zeros_like(vc8)
-    store_kvcache_ref(k, v, ref_k, ref_v, slots)             # the torch path's rounding
+    store_kvcache_ref(k, v, ref_k, ref_v, slots)  # the torch path's rounding
     assert torch.equal(kc8.view(torch.uint8), ref_k.view(torch.uint8))
     assert torch.equal(vc8.view(torch.uint8), ref_v.view(torch.uint8))
     tk, tv = torch.zeros_like(kc8), torch.zeros_like(vc8)
@@ -58,38 +59,55 @@ def test_store_rounds_to_e4m3_and_clamps_like_the_torch_path():
     assert torch.equal(tk.view(torch.uint8), kc8.view(torch.uint8))
     first = kc8.view(-1, HKV, D)[slots[0]].float()
     assert first[0, 0].item() == 448.0 and not torch.isnan(kc8.float()).any()
-    err = (kc8.view(-1, HKV, D)[slots].float() - k.clamp(-448, 448)).abs() / k.abs().clamp(min=2 ** -6)
-    assert err.max().item() <= 2 ** -4 + 1e-6                # e4m3 keeps 3 mantissa bits: half a step of 2^-3
+    err = (kc8.view(-1, HKV, D)[slots].float() - k.clamp(-448, 448)).abs() / k.abs().clamp(min=2**-6)
+    assert err.max().item() <= 2**-4 + 1e-6  # e4m3 keeps 3 mantissa bits: half a step of 2^-3
 
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_kernel_reads_an_8bit_cache(splits):
     q, meta, caches, _ = step([1, 1, 1], [9, 21, 5])
     kc8, vc8 = caches["8"]
-    out = paged_decode_attention(q, kc8, vc8, meta.context_lens, meta.block_tables, D ** -0.5, num_splits=splits,
-                                 block_n=16)
-    ref = paged_attention_ref(q, kc8.float(), vc8.float(), meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                              D ** -0.5)
+    out = paged_decode_attention(
+        q, kc8, vc8, meta.context_lens, meta.block_tables, D**-0.5, num_splits=splits, block_n=16
+    )
+    ref = paged_attention_ref(
+        q, kc8.float(), vc8.float(), meta.cu_seqlens_q, meta.context_lens, meta.block_tables, D**-0.5
+    )
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    full = paged_attention_ref(q, *(c.float() for c in caches["16"]), meta.cu_seqlens_q, meta.context_lens,
-                               meta.block_tables, D ** -0.5)
-    assert 0 < (out - full).abs().max().item() < 0.05 * full.abs().max().item()   # the cache's rounding, no more
+    full = paged_attention_ref(
+        q, *(c.float() for c in caches["16"]), meta.cu_seqlens_q, meta.context_lens, meta.block_tables, D**-0.5
+    )
+    assert 0 < (out - full).abs().max().item() < 0.05 * full.abs().max().item()  # the cache's rounding, no more
 
 
 def test_prefill_kernel_and_torch_path_read_an_8bit_cache():
     q, meta, caches, _ = step([3, 1, 6], [9, 21, 6])
     kc8, vc8 = caches["8"]
-    ref = paged_attention_ref(q, kc8.float(), vc8.float(), meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                              D ** -0.5)
-    out = paged_prefill_attention(q, kc8, vc8, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, D ** -0.5,
-                                  block_m=16, block_n=16)
+    ref = paged_attention_ref(
+        q, kc8.float(), vc8.float(), meta.cu_seqlens_q, meta.context_lens, meta.block_tables, D**-0.5
+    )
+    out = paged_prefill_attention(
+        q, kc8, vc8, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, D**-0.5, block_m=16, block_n=16
+    )
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(paged_attention_torch(q, kc8, vc8, meta.cu_seqlens_q, meta.context_lens,
-                                                     meta.block_tables, D ** -0.5), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        paged_attention_torch(q, kc8, vc8, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, D**-0.5),
+        ref,
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
-PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n", "class Stack:\n    def push(self, x):\n",
-           "for i in range(10):\n", "    return", "try:\n    import json\nexcept ImportError:\n", "x = [", "def main():\n"]
+PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "import os\nimport sys\n",
+    "class Stack:\n    def push(self, x):\n",
+    "for i in range(10):\n",
+    "    return",
+    "try:\n    import json\nexcept ImportError:\n",
+    "x = [",
+    "def main():\n",
+]
 
 
 def fp8_agreement(**engine_kwargs) -> tuple[float, float, list[int]]:
@@ -105,7 +123,7 @@ def fp8_agreement(**engine_kwargs) -> tuple[float, float, list[int]]:
         for t, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)):
             same += a == b
         diverged = next((t for t, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b), 32)
-        for t in range(min(diverged + 1, 32)):   # the same context up to here: the next-token distributions
+        for t in range(min(diverged + 1, 32)):  # the same context up to here: the next-token distributions
             p, q = ref.logprobs[t], got.logprobs[t]
             kls.append(sum(math.exp(p[i].logprob) * (p[i].logprob - q[i].logprob) for i in p.keys() & q.keys()))
     return same / (len(PROMPTS) * 32), sum(kls) / len(kls), blocks
@@ -113,9 +131,9 @@ def fp8_agreement(**engine_kwargs) -> tuple[float, float, list[int]]:
 
 def test_engine_runs_an_8bit_cache_with_four_times_the_blocks():
     share, kl, blocks = fp8_agreement()
-    assert blocks[1] // 4 == blocks[0]                        # float32 -> 8 bits: 4x the blocks in the same memory
-    assert kl < 0.01, kl                                     # nats, over the top-20 tokens of each step
-    assert share >= 0.5, share                               # (both measured and printed in notebook 13)
+    assert blocks[1] // 4 == blocks[0]  # float32 -> 8 bits: 4x the blocks in the same memory
+    assert kl < 0.01, kl  # nats, over the top-20 tokens of each step
+    assert share >= 0.5, share  # (both measured and printed in notebook 13)
 
 
 def test_kv_cache_dtype_is_checked():
@@ -129,13 +147,20 @@ def test_kv_cache_dtype_is_checked():
 def test_gpu_kernels_read_an_8bit_cache():
     q, meta, caches, _ = step([1, 1, 1], [900, 2100, 50], "cuda", torch.bfloat16)
     kc8, vc8 = caches["8"]
-    args = (meta.cu_seqlens_q, meta.context_lens, meta.block_tables, D ** -0.5)
+    args = (meta.cu_seqlens_q, meta.context_lens, meta.block_tables, D**-0.5)
     ref = paged_attention_ref(q.float(), kc8.float(), vc8.float(), *args)
-    out = paged_decode_attention(q, kc8, vc8, meta.context_lens, meta.block_tables, D ** -0.5)
+    out = paged_decode_attention(q, kc8, vc8, meta.context_lens, meta.block_tables, D**-0.5)
     assert (out.float() - ref).abs().max().item() < 2e-2
     q2, meta2, caches2, _ = step([300, 1, 64], [900, 2100, 64], "cuda", torch.bfloat16)
-    out2 = paged_prefill_attention(q2, *caches2["8"], meta2.cu_seqlens_q, meta2.context_lens, meta2.block_tables,
-                                   D ** -0.5)
-    ref2 = paged_attention_ref(q2.float(), *(c.float() for c in caches2["8"]), meta2.cu_seqlens_q,
-                               meta2.context_lens, meta2.block_tables, D ** -0.5)
+    out2 = paged_prefill_attention(
+        q2, *caches2["8"], meta2.cu_seqlens_q, meta2.context_lens, meta2.block_tables, D**-0.5
+    )
+    ref2 = paged_attention_ref(
+        q2.float(),
+        *(c.float() for c in caches2["8"]),
+        meta2.cu_seqlens_q,
+        meta2.context_lens,
+        meta2.block_tables,
+        D**-0.5,
+    )
     assert (out2.float() - ref2).abs().max().item() < 2e-2

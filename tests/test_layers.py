@@ -1,6 +1,7 @@
 """The layers of minivllm/layers (notebook 04), each checked against its Hugging Face Qwen3 twin, plus the
 tensor-parallel shard arithmetic (ranks built explicitly in one process with `tp=TPGroup(rank, size)`, and a real
 2-process gloo group)."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -9,25 +10,45 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _net import free_port
 from transformers import Qwen3Config
 from transformers.activations import ACT2FN
-from transformers.models.qwen3.modeling_qwen3 import (Qwen3Attention, Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding,
-                                                      apply_rotary_pos_emb)
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Attention,
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
-from _net import free_port
-from minivllm.distributed.parallel_state import (SINGLE, TPGroup, all_gather_last_dim, all_reduce, broadcast, divide)
+from minivllm.distributed.parallel_state import SINGLE, TPGroup, all_gather_last_dim, all_reduce, broadcast, divide
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.layernorm import RMSNorm
-from minivllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                    ReplicatedLinear, RowParallelLinear, cpu_packing_works, pack_for_cpu)
+from minivllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    cpu_packing_works,
+    pack_for_cpu,
+)
 from minivllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
 
 
 def small_config(**overrides) -> Qwen3Config:
-    kw = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=1, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    kw = dict(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+    )
     kw.update(overrides)
     return Qwen3Config(**kw)
 
@@ -48,6 +69,7 @@ def one_process_rank(rank: int, size: int) -> TPGroup:
 
 
 # ---------------------------------------------------------------- parallel_state
+
 
 def test_parallel_state_without_process_group():
     assert (SINGLE.rank, SINGLE.size) == (0, 1) and SINGLE == TPGroup()
@@ -73,6 +95,7 @@ def test_divide_names_what_does_not_divide():
 
 
 # ---------------------------------------------------------------- RMSNorm, SiluAndMul
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(7, 48), (2, 5, 48), (3, 4, 48)])
@@ -120,6 +143,7 @@ def test_silu_and_mul_matches_qwen3_mlp_activation():
 
 # ---------------------------------------------------------------- rotary embedding
 
+
 def hf_rope(config, positions, q, k):
     "Hugging Face's rotation of q [N, heads, D] and k [N, kv_heads, D] at `positions` [N]."
     cos, sin = Qwen3RotaryEmbedding(config)(q, positions[None])
@@ -129,8 +153,9 @@ def hf_rope(config, positions, q, k):
 
 @pytest.mark.parametrize("theta, head_dim", [(10_000.0, 16), (1_000_000.0, 64), (1_000_000.0, 128)])
 def test_rope_is_identical_to_hf_qwen3(theta, head_dim):
-    config = small_config(head_dim=head_dim, max_position_embeddings=4096,
-                          rope_parameters={"rope_type": "default", "rope_theta": theta})
+    config = small_config(
+        head_dim=head_dim, max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": theta}
+    )
     torch.manual_seed(0)
     positions = torch.cat([torch.arange(7), torch.arange(3), torch.randint(0, 4096, (6,)), torch.tensor([4095])])
     q, k = torch.randn(len(positions), 4, head_dim), torch.randn(len(positions), 2, head_dim)
@@ -188,8 +213,9 @@ def test_rope_keeps_dtype_and_computes_in_float32():
     assert rope.cos_sin_cache.dtype == torch.float32
 
 
-@pytest.mark.parametrize("bad", [dict(rotary_dim=7), dict(rotary_dim=32), dict(rotary_dim=0),
-                                 dict(max_position=0), dict(base=0.0)])
+@pytest.mark.parametrize(
+    "bad", [dict(rotary_dim=7), dict(rotary_dim=32), dict(rotary_dim=0), dict(max_position=0), dict(base=0.0)]
+)
 def test_rope_rejects_bad_arguments(bad):
     kw = dict(head_size=16, rotary_dim=16, max_position=64, base=10_000.0) | bad
     with pytest.raises(ValueError):
@@ -200,8 +226,9 @@ def test_rope_parameters_from_new_and_old_configs():
     assert rope_parameters(small_config()) == (10_000.0, None)
     assert rope_parameters(SimpleNamespace(rope_theta=500_000, rope_scaling=None)) == (500_000.0, None)
     assert rope_parameters(SimpleNamespace(rope_theta=1e6, rope_scaling={"type": "default"})) == (1e6, None)
-    yarn = small_config(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                                         "original_max_position_embeddings": 512})
+    yarn = small_config(
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6, "original_max_position_embeddings": 512}
+    )
     theta, scaling = rope_parameters(yarn)
     assert theta == 1e6 and scaling["rope_type"] == "yarn"
     with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported"):
@@ -226,6 +253,7 @@ def test_get_rope_makes_a_new_module_each_call():
 
 
 # ---------------------------------------------------------------- linear layers vs HF projections
+
 
 def load_qkv(layer: QKVParallelLinear, attn: Qwen3Attention) -> None:
     for shard_id in "qkv":
@@ -270,6 +298,7 @@ def test_replicated_linear():
 
 # ---------------------------------------------------------------- tensor-parallel shard arithmetic (explicit ranks)
 
+
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_column_parallel_ranks_concatenate_to_the_full_output(tp_size):
     torch.manual_seed(0)
@@ -296,7 +325,7 @@ def test_row_parallel_partial_sums_add_up_with_the_bias_once(tp_size):
         layer.weight.weight_loader(layer.weight, w)
         layer.bias.weight_loader(layer.bias, b)
         shard = 8 // tp_size
-        partials.append(layer(x[:, rank * shard:(rank + 1) * shard]))  # its all-reduce over one process: a no-op
+        partials.append(layer(x[:, rank * shard : (rank + 1) * shard]))  # its all-reduce over one process: a no-op
     torch.testing.assert_close(sum(partials), F.linear(x, w, b))
 
 
@@ -312,7 +341,11 @@ def test_merged_column_parallel_rank_holds_its_slice_of_each_part():
 def test_qkv_parallel_ranks_hold_their_heads(tp_size, num_heads, num_kv_heads):
     torch.manual_seed(0)
     hidden, d = 12, 4
-    wq, wk, wv = torch.randn(num_heads * d, hidden), torch.randn(num_kv_heads * d, hidden), torch.randn(num_kv_heads * d, hidden)
+    wq, wk, wv = (
+        torch.randn(num_heads * d, hidden),
+        torch.randn(num_kv_heads * d, hidden),
+        torch.randn(num_kv_heads * d, hidden),
+    )
     x = torch.randn(5, hidden)
     full_q, full_k, full_v = (x @ w.T for w in (wq, wk, wv))
     heads_per_rank = num_heads // tp_size
@@ -322,7 +355,7 @@ def test_qkv_parallel_ranks_hold_their_heads(tp_size, num_heads, num_kv_heads):
             layer.weight.weight_loader(layer.weight, w, shard_id)
         q, k, v = layer(x).split([layer.num_heads * d, layer.num_kv_heads * d, layer.num_kv_heads * d], dim=-1)
         assert layer.num_heads == heads_per_rank
-        torch.testing.assert_close(q, full_q[:, rank * heads_per_rank * d:(rank + 1) * heads_per_rank * d])
+        torch.testing.assert_close(q, full_q[:, rank * heads_per_rank * d : (rank + 1) * heads_per_rank * d])
         # the KV heads this rank's query heads attend to: query head h uses KV head h // (num_heads / num_kv_heads)
         first_kv = rank * heads_per_rank // (num_heads // num_kv_heads)
         kv_cols = slice(first_kv * d, (first_kv + layer.num_kv_heads) * d)
@@ -364,6 +397,7 @@ def test_two_rank_mlp_partials_sum_to_hf_mlp():
 
 # ---------------------------------------------------------------- linear layers: bad input
 
+
 def test_weight_loaders_reject_mis_shaped_tensors_naming_both_shapes():
     qkv = QKVParallelLinear(48, 16, 4, 2, tp=TPGroup(0, 2))
     with pytest.raises(ValueError, match=r"expected shape \[32, 48\], found \[32, 47\]"):
@@ -383,7 +417,11 @@ def test_weight_loaders_reject_mis_shaped_tensors_naming_both_shapes():
 
 
 def test_weight_loaders_reject_bad_shard_ids():
-    qkv, merged, col = QKVParallelLinear(48, 16, 4, 2), MergedColumnParallelLinear(48, [80, 80]), ColumnParallelLinear(4, 4)
+    qkv, merged, col = (
+        QKVParallelLinear(48, 16, 4, 2),
+        MergedColumnParallelLinear(48, [80, 80]),
+        ColumnParallelLinear(4, 4),
+    )
     with pytest.raises(ValueError, match="'q', 'k' or 'v'"):
         qkv.weight.weight_loader(qkv.weight, torch.randn(64, 48), "x")
     with pytest.raises(ValueError, match="shard_id must be an index"):
@@ -406,6 +444,7 @@ def test_sizes_that_do_not_divide_across_ranks_are_value_errors():
 
 
 # ---------------------------------------------------------------- embedding and LM head
+
 
 def test_embedding_and_tied_head_match_torch():
     torch.manual_seed(0)
@@ -449,6 +488,7 @@ def test_embedding_and_head_bad_input():
 
 # ---------------------------------------------------------------- a real 2-process group (gloo, CPU)
 
+
 @pytest.mark.timeout(300)
 def test_layers_over_a_real_process_group(rank_pool):
     """Two processes, gloo: the layers built with TPGroup(rank, 2, WORLD, WORLD); their collectives give full results.
@@ -462,9 +502,16 @@ def test_cpu_packing_is_available_on_this_build():
 
 def test_packed_linear_layers_compute_f_linear():
     torch.manual_seed(0)
-    layers = torch.nn.ModuleList([ReplicatedLinear(48, 40, bias=True), ColumnParallelLinear(48, 64),
-                                  MergedColumnParallelLinear(48, [32, 32]), QKVParallelLinear(48, 8, 4, 2),
-                                  RowParallelLinear(64, 48, bias=True), ParallelLMHead(100, 48)])
+    layers = torch.nn.ModuleList(
+        [
+            ReplicatedLinear(48, 40, bias=True),
+            ColumnParallelLinear(48, 64),
+            MergedColumnParallelLinear(48, [32, 32]),
+            QKVParallelLinear(48, 8, 4, 2),
+            RowParallelLinear(64, 48, bias=True),
+            ParallelLMHead(100, 48),
+        ]
+    )
     for p in layers.parameters():
         p.data.normal_()
     inputs = [torch.randn(5, 48)] * 4 + [torch.randn(5, 64), torch.randn(2, 3, 48)]
@@ -476,7 +523,7 @@ def test_packed_linear_layers_compute_f_linear():
         for layer, x, expected in zip(layers, inputs, plain):
             assert torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-5), type(layer).__name__
             bias = getattr(layer, "bias", None)
-            assert torch.allclose(expected, F.linear(x, layer.weight, bias)[..., :expected.shape[-1]], atol=1e-4)
+            assert torch.allclose(expected, F.linear(x, layer.weight, bias)[..., : expected.shape[-1]], atol=1e-4)
 
 
 def test_pack_for_cpu_leaves_other_dtypes_and_reloads_on_a_second_call():
@@ -486,24 +533,26 @@ def test_pack_for_cpu_leaves_other_dtypes_and_reloads_on_a_second_call():
     x = torch.randn(3, 16)
     with torch.no_grad():
         layer.weight.weight_loader(layer.weight, torch.full((8, 16), 2.0))
-        assert torch.allclose(layer(x), F.linear(x, torch.ones(8, 16)), atol=1e-5)   # the copy does not follow
+        assert torch.allclose(layer(x), F.linear(x, torch.ones(8, 16)), atol=1e-5)  # the copy does not follow
         pack_for_cpu(layer)
         assert torch.allclose(layer(x), F.linear(x, torch.full((8, 16), 2.0)), atol=1e-5)
 
 
 def test_linear_uses_the_packed_copy_up_to_256_rows_padded_to_a_power_of_two(monkeypatch):
     from minivllm.layers import linear as linear_module
+
     w, b = torch.randn(24, 16), torch.randn(24)
     packed, seen = torch.ops.mkldnn._reorder_linear_weight(w, None), []
     real = torch.ops.mkldnn._linear_pointwise
 
-    class Ops:   # records the row counts that reach oneDNN
+    class Ops:  # records the row counts that reach oneDNN
         @staticmethod
         def _linear_pointwise(x, *args):
             seen.append(x.shape[0])
             return real(x, *args)
+
     monkeypatch.setattr(linear_module.torch.ops, "mkldnn", Ops)
     for shape in [(1, 16), (5, 16), (2, 3, 16), (256, 16), (257, 16)]:
         x = torch.randn(*shape)
         assert torch.allclose(linear_module.linear(x, w, b, packed), F.linear(x, w, b), atol=1e-5)
-    assert seen == [1, 8, 8, 256]   # 257 rows: F.linear
+    assert seen == [1, 8, 8, 256]  # 257 rows: F.linear

@@ -2,6 +2,7 @@
 transformers' own processor (greedy tokens equal to `generate(repetition_penalty=...)`), the others against a float64
 reference of vLLM's formulas; the same tokens with and without asynchronous scheduling (and, on a GPU, under CUDA
 graphs); the device-side history survives preemption."""
+
 import math
 
 import numpy as np
@@ -9,12 +10,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
+from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
 from minivllm.engine.sampling_cache import SamplingCache
 from minivllm.layers.logits_processors import TokenHistory, apply_penalties, build_logits_processors
 
-PROMPTS = ["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n        ", "import os\nimport sys\n\n",
-           "for i in range(10):\n"]
+PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "class Stack:\n    def __init__(self):\n        ",
+    "import os\nimport sys\n\n",
+    "for i in range(10):\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +45,18 @@ def test_repetition_penalty_gives_the_greedy_tokens_of_transformers(tiny, llm, p
     want = []
     for p in ids:
         x = torch.tensor([p])
-        y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False,
-                        repetition_penalty=penalty)
-        want.append(y[0, len(p):].tolist())
+        y = hf.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False, repetition_penalty=penalty
+        )
+        want.append(y[0, len(p) :].tolist())
     got = generate_ids(llm, ids, SamplingParams(temperature=0, max_tokens=24, repetition_penalty=penalty))
     assert got == want
-    assert got != generate_ids(llm, ids, SamplingParams(temperature=0, max_tokens=24))   # the penalty did something
+    assert got != generate_ids(llm, ids, SamplingParams(temperature=0, max_tokens=24))  # the penalty did something
 
 
-def reference_logits(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams,
-                     stop_ids: list[int]) -> torch.Tensor:
+def reference_logits(
+    logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams, stop_ids: list[int]
+) -> torch.Tensor:
     "vLLM's formulas for one row, in float64, token by token: allowed ids, bad words, min_tokens, logit_bias, penalties."
     x = logits.double().clone()
     if p.allowed_token_ids is not None:
@@ -57,7 +64,7 @@ def reference_logits(logits: torch.Tensor, prompt: list[int], output: list[int],
         keep[p.allowed_token_ids] = x[p.allowed_token_ids]
         x = keep
     for word in p.bad_words_token_ids or []:
-        if len(word) == 1 or output[-(len(word) - 1):] == word[:-1] and len(output) >= len(word) - 1:
+        if len(word) == 1 or output[-(len(word) - 1) :] == word[:-1] and len(output) >= len(word) - 1:
             x[word[-1]] = -math.inf
     if len(output) < p.min_tokens:
         for t in set(p.stop_token_ids) | set(stop_ids):
@@ -74,10 +81,12 @@ def reference_logits(logits: torch.Tensor, prompt: list[int], output: list[int],
 
 def test_logits_processors_follow_vllms_formulas_in_float64():
     vocab, gen = 40, torch.Generator().manual_seed(0)
-    params = [SamplingParams(presence_penalty=0.7, frequency_penalty=-0.3, repetition_penalty=1.4),
-              SamplingParams(logit_bias={3: 2.5, 7: -1.0}, min_tokens=5, stop_token_ids=[9]),
-              SamplingParams(allowed_token_ids=[1, 2, 3, 5, 8, 13], repetition_penalty=0.7),
-              SamplingParams(bad_words=["x"], frequency_penalty=2.0)]
+    params = [
+        SamplingParams(presence_penalty=0.7, frequency_penalty=-0.3, repetition_penalty=1.4),
+        SamplingParams(logit_bias={3: 2.5, 7: -1.0}, min_tokens=5, stop_token_ids=[9]),
+        SamplingParams(allowed_token_ids=[1, 2, 3, 5, 8, 13], repetition_penalty=0.7),
+        SamplingParams(bad_words=["x"], frequency_penalty=2.0),
+    ]
     params[3].bad_words_token_ids = [[4], [6, 2], [11, 12, 2]]
     prompts = [[1, 2, 3], [4, 5], [5, 5, 6], [7]]
     outputs = [[2, 2, 10, 3], [], [8, 1, 8], [11, 12]]
@@ -87,7 +96,7 @@ def test_logits_processors_follow_vllms_formulas_in_float64():
         history.reset(slot, prompt)
         for t in output:
             history.update(torch.tensor([slot]), torch.tensor([t]))
-    rows = [0, 2, 3, 4]   # the batch has a fifth row (1) that changes nothing
+    rows = [0, 2, 3, 4]  # the batch has a fifth row (1) that changes nothing
     processors = build_logits_processors(rows, params, slots, history, stop_ids=[0])
     logits = torch.randn(5, vocab, generator=gen) * 3
     got = processors(logits)
@@ -97,8 +106,8 @@ def test_logits_processors_follow_vllms_formulas_in_float64():
         assert torch.equal(torch.isinf(got[row]), torch.isinf(want)), row
         finite = torch.isfinite(want)
         torch.testing.assert_close(got[row][finite].double(), want[finite], rtol=1e-6, atol=1e-5)
-    assert torch.isinf(got[4, 2]) and torch.isinf(got[4, 4]) and not torch.isinf(got[4, 6])   # [11, 12] -> 2 banned
-    assert torch.isinf(got[2, 0]) and torch.isinf(got[2, 9])   # min_tokens: no stop token before 5 tokens
+    assert torch.isinf(got[4, 2]) and torch.isinf(got[4, 4]) and not torch.isinf(got[4, 6])  # [11, 12] -> 2 banned
+    assert torch.isinf(got[2, 0]) and torch.isinf(got[2, 9])  # min_tokens: no stop token before 5 tokens
 
 
 def test_apply_penalties_is_the_formula():
@@ -112,7 +121,7 @@ def test_apply_penalties_is_the_formula():
 def test_min_tokens_holds_back_eos_and_stop_tokens(tiny, llm):
     _, _, ids = tiny
     eos, other = llm.llm_engine.config.eos_token_ids[0], 7
-    for stop, extra in ((eos, {}), (other, dict(stop_token_ids=[other]))):   # a bias makes the stop token certain
+    for stop, extra in ((eos, {}), (other, dict(stop_token_ids=[other]))):  # a bias makes the stop token certain
         params = dict(temperature=0, max_tokens=40, logit_bias={stop: 100.0}, **extra)
         at_once = generate_ids(llm, ids, SamplingParams(**params))
         assert all(t == [stop] for t in at_once)
@@ -127,11 +136,11 @@ def test_min_tokens_past_int32_holds_eos_back_to_the_end_of_the_context(tiny, ll
     "The processors hold min_tokens in int32: a larger one (2**40 here) once failed the step, and the engine with it."
     _, _, ids = tiny
     eos = llm.llm_engine.config.eos_token_ids[0]
-    params = SamplingParams(temperature=0, max_tokens=None, min_tokens=2**40, logit_bias={eos: 100.0})   # (eos: certain)
+    params = SamplingParams(temperature=0, max_tokens=None, min_tokens=2**40, logit_bias={eos: 100.0})  # (eos: certain)
     for o in llm.generate(ids, params, use_tqdm=False):
         assert o.outputs[0].finish_reason == "length" and eos not in o.outputs[0].token_ids
-        assert len(o.prompt_token_ids) + len(o.outputs[0].token_ids) == 128   # max_model_len
-    assert generate_ids(llm, ids[:1], SamplingParams(temperature=0, max_tokens=3))   # the engine still runs
+        assert len(o.prompt_token_ids) + len(o.outputs[0].token_ids) == 128  # max_model_len
+    assert generate_ids(llm, ids[:1], SamplingParams(temperature=0, max_tokens=3))  # the engine still runs
 
 
 def test_logit_bias_allowed_token_ids_and_bad_words_in_the_engine(tiny, llm):
@@ -143,15 +152,17 @@ def test_logit_bias_allowed_token_ids_and_bad_words_in_the_engine(tiny, llm):
     allowed = tok.encode(" a b c")
     sampled = generate_ids(llm, ids, SamplingParams(temperature=1.0, seed=0, max_tokens=16, allowed_token_ids=allowed))
     assert all(set(s) <= set(allowed) for s in sampled)
-    word = tok.decode(plain[0][:3])   # the first three tokens of the first completion, banned as a bad word
+    word = tok.decode(plain[0][:3])  # the first three tokens of the first completion, banned as a bad word
     banned = generate_ids(llm, ids[:1], SamplingParams(temperature=0, max_tokens=16, bad_words=[word]))[0]
     assert banned[:2] == plain[0][:2] and banned[2] != plain[0][2]
 
 
-PENALIZED = [SamplingParams(temperature=0, max_tokens=32, repetition_penalty=1.2),
-             SamplingParams(temperature=0.9, seed=3, max_tokens=32, presence_penalty=1.0, frequency_penalty=0.5),
-             SamplingParams(temperature=0, max_tokens=32, min_tokens=30, logit_bias={5: 3.0}),
-             SamplingParams(temperature=0, max_tokens=32)]
+PENALIZED = [
+    SamplingParams(temperature=0, max_tokens=32, repetition_penalty=1.2),
+    SamplingParams(temperature=0.9, seed=3, max_tokens=32, presence_penalty=1.0, frequency_penalty=0.5),
+    SamplingParams(temperature=0, max_tokens=32, min_tokens=30, logit_bias={5: 3.0}),
+    SamplingParams(temperature=0, max_tokens=32),
+]
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +174,11 @@ def one_at_a_time(tiny):
         return [generate_ids(llm, [p], sp)[0] for p, sp in zip(ids, PENALIZED, strict=True)]
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(num_kvcache_blocks=20, block_size=4, max_num_seqs=8, max_model_len=64)],
-                         ids=["plain", "preemption"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(), dict(num_kvcache_blocks=20, block_size=4, max_num_seqs=8, max_model_len=64)],
+    ids=["plain", "preemption"],
+)
 def test_penalties_give_the_same_tokens_with_and_without_asynchronous_scheduling(tiny, one_at_a_time, kwargs):
     _, _, ids = tiny
     prompts, params = ids * 2, PENALIZED * 2
@@ -175,7 +189,7 @@ def test_penalties_give_the_same_tokens_with_and_without_asynchronous_scheduling
             if kwargs:
                 assert llm.llm_engine.stats.num_preemptions > 0
     assert results[0] == results[1]
-    assert one_at_a_time * 2 == results[0]   # (prompts, params) is the same 4 pairs twice
+    assert one_at_a_time * 2 == results[0]  # (prompts, params) is the same 4 pairs twice
 
 
 @pytest.mark.gpu
@@ -185,7 +199,9 @@ def test_gpu_penalties_give_the_same_tokens_under_cuda_graphs_and_eager(tiny):
     prompts, params = ids * 8, PENALIZED * 8
     results = []
     for enforce_eager in (True, False):
-        with LLM(TINY_MODEL_PATH, max_model_len=128, device="cuda", dtype="float32", enforce_eager=enforce_eager) as llm:
+        with LLM(
+            TINY_MODEL_PATH, max_model_len=128, device="cuda", dtype="float32", enforce_eager=enforce_eager
+        ) as llm:
             results.append(generate_ids(llm, prompts, params))
     assert results[0] == results[1]
 
@@ -196,7 +212,7 @@ def test_the_history_grows_and_slots_are_reused():
         cache.add(i, SamplingParams(repetition_penalty=1.2), prompt_token_ids=[i + 1])
     cache.batch(np.arange(20))
     assert len(cache.history) == 32 and sorted(cache.slots.values()) == list(range(20))
-    assert all(cache.history.prompt_mask[cache.slots[i], i + 1] for i in range(20))   # kept through the growth
+    assert all(cache.history.prompt_mask[cache.slots[i], i + 1] for i in range(20))  # kept through the growth
     cache.free(3)
     cache.add(20, SamplingParams(presence_penalty=1.0), prompt_token_ids=[5])
     cache.batch(np.array([20]))

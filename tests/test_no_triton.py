@@ -5,6 +5,7 @@ every `triton` import failing: the host-side plans of the kernels live in plain 
 kernels/moe_reference.py; kernels/cascade.py and kernels/fused_moe.py re-export them), and the Triton kernels are
 imported only where a GPU runs them. (Notebooks 05 and 06 still run the kernels on a CPU with TRITON_INTERPRET=1.)
 """
+
 from __future__ import annotations
 
 import subprocess

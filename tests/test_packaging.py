@@ -5,6 +5,7 @@ ipywidgets) come with the `course` extra, the HTTP server (FastAPI, uvicorn, Pro
 extra (project issue 15); fastcore only in the notebooks (issue 47: the modules hold whole classes). A subprocess that makes those imports fail still imports every runtime module (`AsyncLLM`
 included) and generates; the drawing modules and the server stay importable where their libraries are installed.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -17,16 +18,20 @@ import pytest
 
 import minivllm
 
-COURSE_ONLY = ("viz",)   # minivllm.viz, viz_timeline, viz_bench, viz_serving: the drawing modules
+COURSE_ONLY = ("viz",)  # minivllm.viz, viz_timeline, viz_bench, viz_serving: the drawing modules
 BLOCKED = ("matplotlib", "ipywidgets", "fastapi", "starlette", "uvicorn", "prometheus_client", "fastcore")
-SERVER = {f"minivllm.entrypoints.{m}" for m in ("api_server", "cli", "errors", "metrics", "middleware", "openai_format",
-                                                "protocol")}   # the `serve` extra
+SERVER = {
+    f"minivllm.entrypoints.{m}"
+    for m in ("api_server", "cli", "errors", "metrics", "middleware", "openai_format", "protocol")
+}  # the `serve` extra
 
 
 def runtime_modules() -> list[str]:
-    return sorted(m.name for m in pkgutil.walk_packages(minivllm.__path__, "minivllm.")
-                  if not m.name.split(".")[-1].startswith(COURSE_ONLY) and m.name != "minivllm.__main__"
-                  and m.name not in SERVER)
+    return sorted(
+        m.name
+        for m in pkgutil.walk_packages(minivllm.__path__, "minivllm.")
+        if not m.name.split(".")[-1].startswith(COURSE_ONLY) and m.name != "minivllm.__main__" and m.name not in SERVER
+    )
 
 
 @pytest.mark.timeout(300)
@@ -57,6 +62,7 @@ def test_the_drawing_modules_import_with_the_course_libraries():
     import minivllm.viz
     import minivllm.viz_bench
     import minivllm.viz_timeline
+
     assert callable(minivllm.viz.draw_kv_cache) and callable(minivllm.viz_timeline.draw_timeline)
     assert callable(minivllm.viz_bench.plot_report)
     assert "minivllm.engine.llm_engine" in runtime_modules() and "minivllm.viz" not in runtime_modules()
@@ -65,18 +71,27 @@ def test_the_drawing_modules_import_with_the_course_libraries():
 
 def test_the_server_modules_import_with_the_serve_extra():
     import importlib
+
     for name in sorted(SERVER):
         importlib.import_module(name)
     from minivllm.entrypoints.api_server import build_app
     from minivllm.entrypoints.cli import serve
+
     assert callable(build_app) and callable(serve)
 
 
 def test_star_import_gives_the_public_api():
     namespace: dict = {}
     exec("from minivllm import *", namespace)
-    assert {"LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-            "TINY_MODEL_PATH"} <= set(namespace)
+    assert {
+        "LLM",
+        "AsyncLLM",
+        "SamplingParams",
+        "RequestOutputKind",
+        "RequestOutput",
+        "CompletionOutput",
+        "TINY_MODEL_PATH",
+    } <= set(namespace)
 
 
 @pytest.mark.timeout(240)
@@ -84,11 +99,27 @@ def test_the_wheel_holds_what_an_install_needs(tmp_path):
     """A wheel built from the repository: its version is minivllm.__version__ (the one source), and it carries the
     license, the typing marker, the tiny model and the `minivllm` command."""
     import zipfile
+
     root = pathlib.Path(minivllm.__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                          str(tmp_path), str(root)], capture_output=True, text=True, timeout=220)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(root),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
-    wheel, = tmp_path.glob("minivllm-*.whl")
+    (wheel,) = tmp_path.glob("minivllm-*.whl")
     assert wheel.name.startswith(f"minivllm-{minivllm.__version__}-")
     names = zipfile.ZipFile(wheel).namelist()
     info = f"minivllm-{minivllm.__version__}.dist-info"
@@ -105,6 +136,7 @@ def test_llm_and_llm_engine_show_the_engine_arguments():
 
     from minivllm.config import Config
     from minivllm.engine.llm_engine import LLMEngine
+
     expected = {f.name: f.default for f in dataclasses.fields(Config) if f.name not in ("model", "hf_config")}
     for cls in (minivllm.LLM, LLMEngine):
         params = inspect.signature(cls).parameters

@@ -1,12 +1,13 @@
 """SamplingParams.n (project issue 14): n samples of one prompt share the prompt's full KV blocks through the prefix
 cache (allocated and computed once), come back as one RequestOutput with outputs indexed 0..n-1, derive each
 sample's seed as vLLM does (seed + index), stream, and abort together under the parent's request id."""
+
 import pytest
 
-from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
+from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
 from minivllm.engine.llm_engine import LLMEngine
 
-PROMPT = list(range(100, 118))   # 18 tokens: 4 full blocks of 4, and 2 tokens in a fifth
+PROMPT = list(range(100, 118))  # 18 tokens: 4 full blocks of 4, and 2 tokens in a fifth
 
 
 @pytest.fixture(scope="module")
@@ -30,26 +31,28 @@ def test_n_samples_allocate_and_compute_the_prompts_full_blocks_once():
         engine.add_request("p", PROMPT, SamplingParams(temperature=0.7, seed=1, max_tokens=4, n=4))
         engine.step()
         tables = [s.block_table for s in engine.scheduler.running]
-        assert len(tables) == 4 and all(t[:4] == tables[0][:4] for t in tables)   # the 4 full blocks: shared
-        assert len({t[4] for t in tables}) == 4                                    # the partial ones: one each
-        assert free - engine.scheduler.block_manager.num_free_blocks == 4 + 4      # not 4 x 5
+        assert len(tables) == 4 and all(t[:4] == tables[0][:4] for t in tables)  # the 4 full blocks: shared
+        assert len({t[4] for t in tables}) == 4  # the partial ones: one each
+        assert free - engine.scheduler.block_manager.num_free_blocks == 4 + 4  # not 4 x 5
         shared = engine.scheduler.block_manager.blocks[tables[0][0]]
         assert shared.ref_count == 4
-        assert engine.stats.num_prompt_tokens == 18 + 3 * 2   # the full blocks' 16 tokens are computed once
+        assert engine.stats.num_prompt_tokens == 18 + 3 * 2  # the full blocks' 16 tokens are computed once
         outputs = []
         while engine.has_unfinished_requests():
             outputs += engine.step()
-        assert len(outputs) == 1 and outputs[0].finished and len(outputs[0].outputs) == 4   # (all 4 end in one step)
+        assert len(outputs) == 1 and outputs[0].finished and len(outputs[0].outputs) == 4  # (all 4 end in one step)
     finally:
         engine.close()
 
 
 def test_each_sample_has_its_own_seed_the_requests_plus_its_index(llm):
     three = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=7, max_tokens=10, n=3), use_tqdm=False)[0]
-    singles = [llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=7 + i, max_tokens=10), use_tqdm=False)[0]
-               for i in range(3)]
+    singles = [
+        llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=7 + i, max_tokens=10), use_tqdm=False)[0]
+        for i in range(3)
+    ]
     assert [o.token_ids for o in three.outputs] == [s.outputs[0].token_ids for s in singles]
-    assert len({tuple(o.token_ids) for o in three.outputs}) > 1   # the samples differ
+    assert len({tuple(o.token_ids) for o in three.outputs}) > 1  # the samples differ
 
 
 def test_n_samples_stream_and_abort_under_the_parents_id(llm):
@@ -63,8 +66,10 @@ def test_n_samples_stream_and_abort_under_the_parents_id(llm):
     engine.add_request("both", PROMPT, SamplingParams(max_tokens=4, n=2, ignore_eos=True), stream=True)
     deltas = [o for _ in range(20) if engine.has_unfinished_requests() for o in engine.step()]
     assert [o.finished for o in deltas].index(True) == len(deltas) - 1
-    assert sorted(sum((len(o.outputs[0].token_ids) for o in deltas if o.outputs[0].index == i), 0) for i in (0, 1)) \
-        == [4, 4]
+    assert sorted(sum((len(o.outputs[0].token_ids) for o in deltas if o.outputs[0].index == i), 0) for i in (0, 1)) == [
+        4,
+        4,
+    ]
     request_id = engine.add_request(None, PROMPT, SamplingParams(max_tokens=50, n=3))
     engine.step()
     assert len(engine.requests) == 3 and set(engine.requests) == {f"{i}_{request_id}" for i in range(3)}
@@ -92,7 +97,7 @@ def test_an_aborted_sample_does_not_hold_back_the_others_output(llm):
     engine = llm.llm_engine
     engine.add_request("p", PROMPT, SamplingParams(temperature=0.7, seed=1, max_tokens=6, n=3))
     engine.step()
-    engine.abort_request("1_p")   # one sample alone (its id as vLLM names children)
+    engine.abort_request("1_p")  # one sample alone (its id as vLLM names children)
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()

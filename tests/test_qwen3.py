@@ -6,6 +6,7 @@ sequences of different lengths are packed into one step (cu_seqlens in an Attent
 transformers run on each sequence alone. The tolerance is relative
 to the logits' scale: `max |ours - theirs| / max |theirs| < 1e-4`.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _net import free_port
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
-from _net import free_port
 from minivllm.layers.attention import Attention, AttentionMetadata
 from minivllm.layers.rotary_embedding import RotaryEmbedding
 from minivllm.models.loader import load_model, load_weights
@@ -65,23 +66,53 @@ def random_seqs(vocab: int, lens: list[int], seed: int = 0) -> list[torch.Tensor
 
 # ---------------------------------------------------------------- random Qwen3 checkpoints
 
-BASE = dict(vocab_size=131, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=True)
+BASE = dict(
+    vocab_size=131,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    tie_word_embeddings=True,
+)
 
 CONFIGS = {
     # grouped-query attention, heads * head_dim (128) > hidden (64), tied embeddings
     "gqa_wide_tied": {},
     # multi-head attention, heads * head_dim == hidden, untied embeddings, rope base 10,000
-    "mha_untied": dict(hidden_size=48, intermediate_size=80, num_attention_heads=3, num_key_value_heads=3,
-                       head_dim=16, tie_word_embeddings=False,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}),
+    "mha_untied": dict(
+        hidden_size=48,
+        intermediate_size=80,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        head_dim=16,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+    ),
     # one KV head, heads * head_dim (32) < hidden (40), attention biases, untied
-    "mqa_narrow_bias": dict(hidden_size=40, intermediate_size=72, num_attention_heads=4, num_key_value_heads=1,
-                            head_dim=8, attention_bias=True, tie_word_embeddings=False),
+    "mqa_narrow_bias": dict(
+        hidden_size=40,
+        intermediate_size=72,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=8,
+        attention_bias=True,
+        tie_word_embeddings=False,
+    ),
     # deeper, 4 query heads per KV head, tied
-    "gqa4_three_layers": dict(hidden_size=96, intermediate_size=64, num_hidden_layers=3, num_attention_heads=8,
-                              num_key_value_heads=2, head_dim=16, vocab_size=200),
+    "gqa4_three_layers": dict(
+        hidden_size=96,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=200,
+    ),
 }
 
 
@@ -187,6 +218,7 @@ def test_compute_logits_on_selected_rows(tmp_path):
 
 # ---------------------------------------------------------------- the embedded tiny model
 
+
 @pytest.fixture(scope="module")
 def tiny():
     hf = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32).eval()
@@ -213,9 +245,15 @@ def kv_step(model, chunks: list[tuple[torch.Tensor, int, list[int]]], block_size
     width = max(len(t) for _, _, t in chunks)
     tables = torch.tensor([t + [-1] * (width - len(t)) for _, _, t in chunks], dtype=torch.int32)
     cumsum = lambda xs: torch.tensor([0] + xs).cumsum(0).to(torch.int32)  # noqa: E731
-    meta = AttentionMetadata(cu_seqlens_q=cumsum(q_lens), cu_seqlens_k=cumsum(kv_lens), max_seqlen_q=max(q_lens),
-                             max_seqlen_k=max(kv_lens), slot_mapping=torch.tensor(slots),
-                             context_lens=torch.tensor(kv_lens, dtype=torch.int32), block_tables=tables)
+    meta = AttentionMetadata(
+        cu_seqlens_q=cumsum(q_lens),
+        cu_seqlens_k=cumsum(kv_lens),
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(kv_lens),
+        slot_mapping=torch.tensor(slots),
+        context_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        block_tables=tables,
+    )
     assert meta.is_decode_only == all(n == 1 for n in q_lens)
     with torch.no_grad():
         return model.compute_logits(model(torch.cat(ids), torch.cat(positions), meta))
@@ -235,11 +273,11 @@ def test_chunked_prefill_and_decode_through_the_paged_kv_cache(tiny):
         b = torch.tensor(tokenizer.encode("import os\nimport sys\nimport json\n"))[:10]
         assert (len(a), len(b)) == (13, 10)  # every step below has new tokens for both sequences
         table_a, table_b = [3, 7, 1, 9], [0, 5, 2]  # 4 blocks of 4 for 13 tokens, 3 for 10, scattered
-        full_a, full_b = hf_logits(hf, [a])[:len(a)], hf_logits(hf, [b])[:len(b)]
+        full_a, full_b = hf_logits(hf, [a])[: len(a)], hf_logits(hf, [b])[: len(b)]
         steps = [  # (a's new tokens from .. to, b's new tokens from .. to)
-            ((0, 6), (0, 7)),     # a: first prefill chunk, b: whole prompt
-            ((6, 10), (7, 8)),    # a: rest of its prompt, b: a decode token (a mixed step)
-            ((10, 11), (8, 9)),   # decode only
+            ((0, 6), (0, 7)),  # a: first prefill chunk, b: whole prompt
+            ((6, 10), (7, 8)),  # a: rest of its prompt, b: a decode token (a mixed step)
+            ((10, 11), (8, 9)),  # decode only
             ((11, 13), (9, 10)),  # a: 2 tokens at once (e.g. speculative), b: decode
         ]
         for (a0, a1), (b0, b1) in steps:
@@ -254,6 +292,7 @@ def test_chunked_prefill_and_decode_through_the_paged_kv_cache(tiny):
 
 
 # ---------------------------------------------------------------- loader errors
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
@@ -283,34 +322,43 @@ def expect_load_error(folder: Path, match: str) -> None:
 
 def test_missing_tensor_is_named(tmp_path, checkpoint):
     tensors = {k: v for k, v in checkpoint[1].items() if k != "model.layers.1.self_attn.k_proj.weight"}
-    expect_load_error(broken(tmp_path, checkpoint, {"model.safetensors": tensors}),
-                      r"missing 1 tensor\(s\) .*: model\.layers\.1\.self_attn\.k_proj\.weight$")
+    expect_load_error(
+        broken(tmp_path, checkpoint, {"model.safetensors": tensors}),
+        r"missing 1 tensor\(s\) .*: model\.layers\.1\.self_attn\.k_proj\.weight$",
+    )
 
 
 def test_missing_lm_head_of_an_untied_model_is_named(tmp_path, checkpoint):
     tensors = {k: v for k, v in checkpoint[1].items() if k not in ("lm_head.weight", "model.norm.weight")}
-    expect_load_error(broken(tmp_path, checkpoint, {"model.safetensors": tensors}),
-                      r"missing 2 tensor\(s\) .*: lm_head\.weight, model\.norm\.weight$")
+    expect_load_error(
+        broken(tmp_path, checkpoint, {"model.safetensors": tensors}),
+        r"missing 2 tensor\(s\) .*: lm_head\.weight, model\.norm\.weight$",
+    )
 
 
 def test_many_missing_tensors_are_summarized(tmp_path, checkpoint):
     tensors = {"model.norm.weight": checkpoint[1]["model.norm.weight"]}
     n = len(checkpoint[1]) - 1
-    expect_load_error(broken(tmp_path, checkpoint, {"model.safetensors": tensors}),
-                      rf"missing {n} tensor\(s\).* and {n - 8} more$")
+    expect_load_error(
+        broken(tmp_path, checkpoint, {"model.safetensors": tensors}), rf"missing {n} tensor\(s\).* and {n - 8} more$"
+    )
 
 
 def test_unexpected_tensor_is_named(tmp_path, checkpoint):
     tensors = checkpoint[1] | {"model.layers.0.self_attn.rel_pos.weight": torch.zeros(3)}
-    expect_load_error(broken(tmp_path, checkpoint, {"model.safetensors": tensors}),
-                      "unexpected tensor model.layers.0.self_attn.rel_pos.weight")
+    expect_load_error(
+        broken(tmp_path, checkpoint, {"model.safetensors": tensors}),
+        "unexpected tensor model.layers.0.self_attn.rel_pos.weight",
+    )
 
 
 def test_mis_shaped_tensors_are_named_with_both_shapes(tmp_path, checkpoint):
-    cases = {"model.layers.0.self_attn.q_proj.weight": (torch.zeros(47, 48), r"\[48, 48\], found \[47, 48\]"),
-             "model.layers.1.mlp.down_proj.weight": (torch.zeros(48, 81), r"\[48, 80\], found \[48, 81\]"),
-             "model.norm.weight": (torch.zeros(49), r"\[48\], found \[49\]"),
-             "model.embed_tokens.weight": (torch.zeros(130, 48), r"\[131, 48\], found \[130, 48\]")}
+    cases = {
+        "model.layers.0.self_attn.q_proj.weight": (torch.zeros(47, 48), r"\[48, 48\], found \[47, 48\]"),
+        "model.layers.1.mlp.down_proj.weight": (torch.zeros(48, 81), r"\[48, 80\], found \[48, 81\]"),
+        "model.norm.weight": (torch.zeros(49), r"\[48\], found \[49\]"),
+        "model.embed_tokens.weight": (torch.zeros(130, 48), r"\[131, 48\], found \[130, 48\]"),
+    }
     for i, (name, (tensor, shapes)) in enumerate(cases.items()):
         folder = broken(tmp_path / str(i), checkpoint, {"model.safetensors": checkpoint[1] | {name: tensor}})
         expect_load_error(folder, f"tensor {name}: expected shape {shapes}")
@@ -319,14 +367,16 @@ def test_mis_shaped_tensors_are_named_with_both_shapes(tmp_path, checkpoint):
 def test_tensor_in_two_files_is_an_error(tmp_path, checkpoint):
     tensors = checkpoint[1]
     extra = {"model.norm.weight": tensors["model.norm.weight"]}
-    expect_load_error(broken(tmp_path, checkpoint, {"a.safetensors": tensors, "b.safetensors": extra}),
-                      "model.norm.weight appears twice")
+    expect_load_error(
+        broken(tmp_path, checkpoint, {"a.safetensors": tensors, "b.safetensors": extra}),
+        "model.norm.weight appears twice",
+    )
 
 
 @pytest.mark.parametrize("cut", [0.5, 0.999, 0.0])
 def test_truncated_safetensors_file_is_named(tmp_path, checkpoint, cut):
     data = (checkpoint[0] / "model.safetensors").read_bytes()
-    folder = broken(tmp_path, checkpoint, {"model-00001-of-00001.safetensors": data[:int(len(data) * cut)]})
+    folder = broken(tmp_path, checkpoint, {"model-00001-of-00001.safetensors": data[: int(len(data) * cut)]})
     expect_load_error(folder, "cannot read model-00001-of-00001.safetensors")
 
 
@@ -347,10 +397,14 @@ def test_load_config_accepts_only_registered_families(tmp_path, checkpoint):
         load_config(tmp_path / "nope")
     with pytest.raises(ValueError, match="has no config.json"):
         load_config(tmp_path)
-    for i, (text, match) in enumerate([('{"model_type": "mamba"}', "type 'mamba'; minivllm runs qwen3, qwen2"),
-                                       ('{"hidden_size": 4}', "type None"),
-                                       ("{not json", "not a JSON object"),
-                                       ("[1, 2]", "not a JSON object")]):
+    for i, (text, match) in enumerate(
+        [
+            ('{"model_type": "mamba"}', "type 'mamba'; minivllm runs qwen3, qwen2"),
+            ('{"hidden_size": 4}', "type None"),
+            ("{not json", "not a JSON object"),
+            ("[1, 2]", "not a JSON object"),
+        ]
+    ):
         folder = tmp_path / str(i)
         folder.mkdir()
         (folder / "config.json").write_text(text)
@@ -367,18 +421,19 @@ def test_load_weights_from_any_named_tensors():
 
 # ---------------------------------------------------------------- the model registry
 
+
 def test_registry_spec_of_a_qwen3_config():
     cfg = load_config(TINY_MODEL_PATH)
     spec = model_spec(cfg)
     assert isinstance(spec, ModelSpec) and spec is MODEL_REGISTRY["qwen3"]
     assert spec.model_class is Qwen3ForCausalLM and spec.packed_weights is QWEN3_PACKED_WEIGHTS
-    assert spec.weight_mapping(cfg) == QWEN3_PACKED_WEIGHTS   # nothing that depends on the config (no experts)
+    assert spec.weight_mapping(cfg) == QWEN3_PACKED_WEIGHTS  # nothing that depends on the config (no experts)
 
 
 def test_load_config_refuses_a_type_the_registry_does_not_know(tmp_path):
     assert "mistral" not in MODEL_REGISTRY
     (tmp_path / "config.json").write_text('{"model_type": "mistral"}')
-    known = ", ".join(MODEL_REGISTRY)   # the message names every type the registry knows
+    known = ", ".join(MODEL_REGISTRY)  # the message names every type the registry knows
     with pytest.raises(ValueError, match=re.escape(f"type 'mistral'; minivllm runs {known} models")):
         load_config(tmp_path)
 
@@ -396,12 +451,13 @@ def test_build_model_equals_loading_by_hand():
 def test_build_model_makes_the_parameters_in_the_dtype_asked_for():
     default = torch.get_default_dtype()
     model = build_model(load_config(TINY_MODEL_PATH), TINY_MODEL_PATH, torch.bfloat16, torch.device("cpu"))
-    assert torch.get_default_dtype() == default   # restored
+    assert torch.get_default_dtype() == default  # restored
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert model.model.layers[0].self_attn.rotary_emb.cos_sin_cache.dtype == torch.float32   # the angles stay float32
+    assert model.model.layers[0].self_attn.rotary_emb.cos_sin_cache.dtype == torch.float32  # the angles stay float32
 
 
 # ---------------------------------------------------------------- one rotary embedding per model
+
 
 def test_one_rotary_embedding_per_model_shared_by_its_layers():
     config = Qwen3Config(**(BASE | dict(num_hidden_layers=3)))
@@ -409,7 +465,7 @@ def test_one_rotary_embedding_per_model_shared_by_its_layers():
     rope = a.model.layers[0].self_attn.rotary_emb
     assert isinstance(rope, RotaryEmbedding)
     assert all(layer.self_attn.rotary_emb is rope for layer in a.model.layers)
-    assert b.model.layers[0].self_attn.rotary_emb is not rope   # two models (two engines) share no state
+    assert b.model.layers[0].self_attn.rotary_emb is not rope  # two models (two engines) share no state
     assert rope.cos_sin_cache.dtype == torch.float32 and rope.cos_sin_cache.shape == (256, 32)
     # a non-persistent buffer: one for the whole model, not in the state dict (nor in checkpoints)
     assert [name for name, _ in a.named_buffers()] == ["model.layers.0.self_attn.rotary_emb.cos_sin_cache"]
@@ -427,13 +483,26 @@ def test_one_rotary_embedding_per_model_shared_by_its_layers():
 
 # ---------------------------------------------------------------- unsupported configs and bad input
 
-@pytest.mark.parametrize("overrides, match", [
-    (dict(use_sliding_window=True, sliding_window=16, max_window_layers=0), "sliding-window"),
-    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                           "original_max_position_embeddings": 64}), "rope scaling type 'yarn'"),
-    (dict(num_attention_heads=3, num_key_value_heads=2, head_dim=16), "multiple of num_key_value_heads"),
-])
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(use_sliding_window=True, sliding_window=16, max_window_layers=0), "sliding-window"),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+        (
+            dict(
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "rope_theta": 1e6,
+                    "original_max_position_embeddings": 64,
+                }
+            ),
+            "rope scaling type 'yarn'",
+        ),
+        (dict(num_attention_heads=3, num_key_value_heads=2, head_dim=16), "multiple of num_key_value_heads"),
+    ],
+)
 def test_unsupported_configs_are_refused(overrides, match):
     with pytest.raises(ValueError, match=match):
         Qwen3ForCausalLM(Qwen3Config(**(BASE | overrides)))
@@ -441,33 +510,61 @@ def test_unsupported_configs_are_refused(overrides, match):
 
 def test_packed_weights_mapping():
     assert QWEN3_PACKED_WEIGHTS == {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
 
 
 # ---------------------------------------------------------------- tensor parallel: 2 processes, shards cut at load
+
 
 @pytest.mark.timeout(300)
 def test_tensor_parallel_model_matches_hf(tmp_path, rank_pool):
     "TP=2 over gloo: each rank loads its shards from the full checkpoint (Qwen3, Qwen3-MoE); the logits match transformers."
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
     torch.manual_seed(0)
-    moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=131, hidden_size=32, intermediate_size=48, head_dim=8,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2))
-    folders = [str(save_hf(tmp_path, "gqa", make_hf(**CONFIGS["gqa4_three_layers"]))),
-               str(save_hf(tmp_path, "mqa", make_hf(**CONFIGS["mqa_narrow_bias"]))),   # 1 KV head: replicated
-               str(save_hf(tmp_path, "moe", moe.eval()))]                                 # experts cut in two
+    moe = Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=131,
+            hidden_size=32,
+            intermediate_size=48,
+            head_dim=8,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+    )
+    folders = [
+        str(save_hf(tmp_path, "gqa", make_hf(**CONFIGS["gqa4_three_layers"]))),
+        str(save_hf(tmp_path, "mqa", make_hf(**CONFIGS["mqa_narrow_bias"]))),  # 1 KV head: replicated
+        str(save_hf(tmp_path, "moe", moe.eval())),
+    ]  # experts cut in two
     # (the processes are the session's shared pair, tests/_rank_pool.py: each rank runs _qwen3_tp_worker.run)
     assert rank_pool.run("_qwen3_tp_worker", "run", 2, free_port(), folders) == {0: None, 1: None}
 
 
 # ---------------------------------------------------------------- GPU: Qwen3-0.6B's dimensions
 
-QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                 rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-                 tie_word_embeddings=True)
+QWEN3_06B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    tie_word_embeddings=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -494,7 +591,7 @@ def test_qwen3_06b_dimensions_on_gpu_match_transformers(qwen3_06b_random, monkey
     load_model(model, folder, QWEN3_PACKED_WEIGHTS).eval()
     for module in model.modules():
         if isinstance(module, Attention):
-            module.backend = backend   # what the engine does with the backend its Config chose
+            module.backend = backend  # what the engine does with the backend its Config chose
     assert model.model.layers[0].self_attn.rotary_emb.cos_sin_cache.is_cuda
     seqs = random_seqs(hf.config.vocab_size, [37, 1, 129, 64, 5])
     ours, theirs = our_logits(model, seqs), hf_logits(hf, seqs)

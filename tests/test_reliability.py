@@ -12,6 +12,7 @@ The contract tested here:
 - `close()` (or `with LLM(...)`, or `del llm`) releases the model and the KV cache.
 Everything runs on the embedded tiny Qwen3 on a CPU; the one GPU test measures device memory around `close()`.
 """
+
 from __future__ import annotations
 
 import gc
@@ -27,7 +28,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
+from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
 from minivllm.engine.kv_cache import kv_block_bytes
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.model_runner import ModelRunner
@@ -69,7 +70,7 @@ def assert_clean(engine: LLMEngine) -> None:
     assert not scheduler.waiting and not scheduler.running and not scheduler.has_unfinished()
     assert bm.num_free_blocks == bm.num_blocks == engine.executor.num_blocks == engine.executor.runner.num_blocks
     sampling = engine.executor.runner.sampling
-    assert sampling.generators == {} and sampling.params == {}   # no seeded generator (or params) of a dead request
+    assert sampling.generators == {} and sampling.params == {}  # no seeded generator (or params) of a dead request
     scheduler.check_invariants()
 
 
@@ -86,16 +87,19 @@ BAD_PROMPTS = [
     (["ok", 3.14], TypeError, "prompt 1 must be a string, a list of token ids or a prompt dict, got float"),
     (3.14, TypeError, "prompts must be a string, a list of token ids, a prompt dict or a list of these"),
     ([[1, "2"]], TypeError, "prompt 0: token ids must be ints, got str '2'"),
-    ([1, "2"], TypeError, "prompt 0: token ids must be ints, got str '2'"),       # one prompt of token ids
+    ([1, "2"], TypeError, "prompt 0: token ids must be ints, got str '2'"),  # one prompt of token ids
     ([[1.0, 2.0]], TypeError, "prompt 0: token ids must be ints, got float 1.0"),
     ([[True, 2]], TypeError, "prompt 0: token ids must be ints, got bool True"),
     (["ok", {"text": "hi"}], TypeError, r"prompt 1: a prompt dict holds exactly one of 'prompt' or 'prompt_token_ids'"),
     ([{"prompt": "a", "prompt_token_ids": [1]}], TypeError, "prompt 0: a prompt dict holds exactly one of"),
     ([{"prompt": [1, 2]}], TypeError, "prompt 0: 'prompt' must be a string, got list"),
     ([{"prompt_token_ids": "hi"}], TypeError, "prompt 0: 'prompt_token_ids' must be a list of token ids, got str"),
-    (["ok", [7] * MAX_MODEL_LEN], ValueError,
-     rf"prompt 1 has {MAX_MODEL_LEN} tokens; with max_model_len={MAX_MODEL_LEN} a prompt may have at most "
-     rf"{MAX_MODEL_LEN - 1}"),
+    (
+        ["ok", [7] * MAX_MODEL_LEN],
+        ValueError,
+        rf"prompt 1 has {MAX_MODEL_LEN} tokens; with max_model_len={MAX_MODEL_LEN} a prompt may have at most "
+        rf"{MAX_MODEL_LEN - 1}",
+    ),
     (["ok", "x = 1\n" * 100], ValueError, rf"prompt 1 has \d+ tokens; with max_model_len={MAX_MODEL_LEN}"),
 ]
 
@@ -105,7 +109,7 @@ def test_bad_prompt_rejects_the_call_and_nothing_runs(llm, expected, prompts, er
     steps = llm.llm_engine.stats.num_steps
     with pytest.raises(error, match=message):
         llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.llm_engine.stats.num_steps == steps   # not one step ran
+    assert llm.llm_engine.stats.num_steps == steps  # not one step ran
     assert_clean(llm.llm_engine)
     assert_works(llm, expected)
 
@@ -113,15 +117,29 @@ def test_bad_prompt_rejects_the_call_and_nothing_runs(llm, expected, prompts, er
 # Every invalid SamplingParams value: (field, value, error). The same table as test_sampling_params.py, plus the two
 # limits the engine adds (a seed and a top_k must fit in 64 bits).
 BAD_PARAMS = [
-    ("temperature", -0.1, ValueError), ("temperature", float("nan"), ValueError),
-    ("temperature", float("inf"), ValueError), ("temperature", "0.5", TypeError), ("temperature", True, TypeError),
-    ("top_p", 0.0, ValueError), ("top_p", 1.5, ValueError), ("top_k", -2, ValueError), ("top_k", 2.0, TypeError),
-    ("min_p", -0.1, ValueError), ("min_p", 1.1, ValueError), ("max_tokens", 0, ValueError),
-    ("max_tokens", 1.5, TypeError), ("seed", "42", TypeError), ("ignore_eos", 1, TypeError),
-    ("stop", [""], TypeError), ("stop", [1], TypeError), ("stop_token_ids", [1, -2], ValueError),
-    ("stop_token_ids", 5, TypeError), ("logprobs", -1, ValueError), ("logprobs", 0.5, TypeError),
+    ("temperature", -0.1, ValueError),
+    ("temperature", float("nan"), ValueError),
+    ("temperature", float("inf"), ValueError),
+    ("temperature", "0.5", TypeError),
+    ("temperature", True, TypeError),
+    ("top_p", 0.0, ValueError),
+    ("top_p", 1.5, ValueError),
+    ("top_k", -2, ValueError),
+    ("top_k", 2.0, TypeError),
+    ("min_p", -0.1, ValueError),
+    ("min_p", 1.1, ValueError),
+    ("max_tokens", 0, ValueError),
+    ("max_tokens", 1.5, TypeError),
+    ("seed", "42", TypeError),
+    ("ignore_eos", 1, TypeError),
+    ("stop", [""], TypeError),
+    ("stop", [1], TypeError),
+    ("stop_token_ids", [1, -2], ValueError),
+    ("stop_token_ids", 5, TypeError),
+    ("logprobs", -1, ValueError),
+    ("logprobs", 0.5, TypeError),
 ]
-ENGINE_LIMITS = [("seed", 2**64, ValueError), ("seed", -2**63 - 1, ValueError), ("top_k", 2**63, ValueError)]
+ENGINE_LIMITS = [("seed", 2**64, ValueError), ("seed", -(2**63) - 1, ValueError), ("top_k", 2**63, ValueError)]
 
 
 @pytest.mark.parametrize("field, value, error", BAD_PARAMS)
@@ -141,14 +159,17 @@ def test_bad_sampling_params_reject_the_call(llm, expected, field, value, error)
     assert_works(llm, expected)
 
 
-@pytest.mark.parametrize("params, error, message", [
-    ([GREEDY], ValueError, "got 1 SamplingParams for 2 prompts: pass one, or exactly one per prompt"),
-    ([GREEDY] * 3, ValueError, "got 3 SamplingParams for 2 prompts"),
-    ({"temperature": 0}, TypeError, "sampling_params must be a SamplingParams or a list of them, got dict"),
-    ([GREEDY, {"temperature": 0}], TypeError, "prompt 1: sampling params must be a SamplingParams, got dict"),
-    ("greedy", TypeError, "sampling_params must be a SamplingParams or a list of them, got str"),
-    (0.0, TypeError, "sampling_params must be a SamplingParams or a list of them, got float"),
-])
+@pytest.mark.parametrize(
+    "params, error, message",
+    [
+        ([GREEDY], ValueError, "got 1 SamplingParams for 2 prompts: pass one, or exactly one per prompt"),
+        ([GREEDY] * 3, ValueError, "got 3 SamplingParams for 2 prompts"),
+        ({"temperature": 0}, TypeError, "sampling_params must be a SamplingParams or a list of them, got dict"),
+        ([GREEDY, {"temperature": 0}], TypeError, "prompt 1: sampling params must be a SamplingParams, got dict"),
+        ("greedy", TypeError, "sampling_params must be a SamplingParams or a list of them, got str"),
+        (0.0, TypeError, "sampling_params must be a SamplingParams or a list of them, got float"),
+    ],
+)
 def test_bad_params_list_rejects_the_call(llm, expected, params, error, message):
     with pytest.raises(error, match=message):
         llm.generate(["a", "b"], params, use_tqdm=False)
@@ -185,23 +206,29 @@ def test_engine_add_request_validates_too(llm):
 def test_generate_ids_do_not_collide_with_callers_ids(llm, expected):
     "A caller's own request id that looks like an automatic one ('0', '1', ...) is skipped, not a failure."
     engine = llm.llm_engine
-    probe = engine.add_request(None, [1], GREEDY)   # the next automatic id
+    probe = engine.add_request(None, [1], GREEDY)  # the next automatic id
     engine.abort_request(probe)
-    taken = [engine.add_request(str(int(probe) + i), [1, 2], SamplingParams(temperature=0, max_tokens=1))
-             for i in range(1, 6)]
+    taken = [
+        engine.add_request(str(int(probe) + i), [1, 2], SamplingParams(temperature=0, max_tokens=1))
+        for i in range(1, 6)
+    ]
     outputs = llm.generate(GOOD, GREEDY, use_tqdm=False)
     assert token_ids(outputs) == expected and not {o.request_id for o in outputs} & set(taken)
-    assert_clean(engine)   # the caller's requests ran too (one token each) and left
+    assert_clean(engine)  # the caller's requests ran too (one token each) and left
 
 
 def test_longest_prompt_generates_exactly_one_token(llm):
     "A prompt may have max_model_len - 1 tokens (one is left to generate); the engine's add_request agrees."
-    out = llm.generate([[7] * (MAX_MODEL_LEN - 1)], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [[7] * (MAX_MODEL_LEN - 1)], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.token_ids) == 1 and out.finish_reason == "length"
     engine = llm.llm_engine
-    with pytest.raises(ValueError, match=f"request has {MAX_MODEL_LEN} tokens; with max_model_len={MAX_MODEL_LEN} "
-                                         f"a prompt may have at most {MAX_MODEL_LEN - 1}"):
+    with pytest.raises(
+        ValueError,
+        match=f"request has {MAX_MODEL_LEN} tokens; with max_model_len={MAX_MODEL_LEN} "
+        f"a prompt may have at most {MAX_MODEL_LEN - 1}",
+    ):
         engine.add_request(None, [7] * MAX_MODEL_LEN, GREEDY)
     assert_clean(engine)
 
@@ -300,18 +327,25 @@ def test_tensor_of_the_wrong_shape(tmp_path):
 
     def shrink(t):
         t[name] = t[name][:-1].clone()
+
     edit_weights(folder, shrink)
     rows, cols = load_file(os.path.join(TINY_MODEL_PATH, "model.safetensors"))[name].shape
-    with pytest.raises(ValueError, match=rf"tensor {name}: expected shape \[{rows}, {cols}\], found \[{rows - 1}, "
-                                         rf"{cols}\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"tensor {name}: expected shape \[{rows}, {cols}\], found \[{rows - 1}, "
+        rf"{cols}\]",
+    ):
         cpu_llm(folder)
 
 
 def test_extra_tensor(tmp_path):
     folder = model_copy(tmp_path)
     edit_weights(folder, lambda t: t.update({"model.layers.0.mlp.extra_proj.weight": torch.zeros(2, 2)}))
-    with pytest.raises(ValueError, match="unexpected tensor model.layers.0.mlp.extra_proj.weight in the checkpoint: "
-                                         "Qwen3ForCausalLM has no such parameter"):
+    with pytest.raises(
+        ValueError,
+        match="unexpected tensor model.layers.0.mlp.extra_proj.weight in the checkpoint: "
+        "Qwen3ForCausalLM has no such parameter",
+    ):
         cpu_llm(folder)
 
 
@@ -325,7 +359,7 @@ def test_corrupt_safetensors(tmp_path, damage):
         with pytest.raises(ValueError, match="no \\*.safetensors files in"):
             cpu_llm(folder)
         return
-    damaged = {"truncated": data[:len(data) // 2], "header cut": data[:5], "zeros": bytes(100)}[damage]
+    damaged = {"truncated": data[: len(data) // 2], "header cut": data[:5], "zeros": bytes(100)}[damage]
     open(path, "wb").write(damaged)
     with pytest.raises(ValueError, match="cannot read model.safetensors: it is not a complete safetensors file"):
         cpu_llm(folder)
@@ -335,8 +369,11 @@ def test_missing_tokenizer_says_so_and_token_ids_still_work(tmp_path):
     folder = model_copy(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         os.remove(os.path.join(folder, name))
-    with pytest.raises(ValueError, match="no tokenizer in .*: none of tokenizer.json, tokenizer.model, vocab.json.*"
-                                         "or pass skip_tokenizer_init=True and give prompts as token ids"):
+    with pytest.raises(
+        ValueError,
+        match="no tokenizer in .*: none of tokenizer.json, tokenizer.model, vocab.json.*"
+        "or pass skip_tokenizer_init=True and give prompts as token ids",
+    ):
         cpu_llm(folder)
     with cpu_llm(folder, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN) as llm:
         out = llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)[0]
@@ -363,10 +400,13 @@ def test_kv_cache_too_small_says_how_much_is_needed():
     block_bytes = kv_block_bytes(HF_CONFIG, 16, torch.float32)
     blocks_per_seq = math.ceil(256 / 16)
     need = f"needs {blocks_per_seq} blocks \\({blocks_per_seq * block_bytes / 2**20:.1f} MiB\\)"
-    with pytest.raises(ValueError, match="the KV cache holds 2 blocks of 16 tokens = 32 tokens, but one sequence of "
-                                         f"max_model_len=256 tokens {need}"):
+    with pytest.raises(
+        ValueError,
+        match="the KV cache holds 2 blocks of 16 tokens = 32 tokens, but one sequence of "
+        f"max_model_len=256 tokens {need}",
+    ):
         cpu_llm(TINY_MODEL_PATH, max_model_len=256, num_kvcache_blocks=2)
-    space = (blocks_per_seq - 0.5) * block_bytes / 2**30   # half a block short of one sequence
+    space = (blocks_per_seq - 0.5) * block_bytes / 2**30  # half a block short of one sequence
     with pytest.raises(ValueError, match=f"holds {blocks_per_seq - 1} blocks .* {need}. Give the cache more memory"):
         cpu_llm(TINY_MODEL_PATH, max_model_len=256, cpu_kvcache_space_gib=space)
 
@@ -377,26 +417,42 @@ def test_dtype_the_device_cannot_run(monkeypatch):
 
     def ones(*args, dtype=None, **kwargs):
         if dtype == torch.float16:
-            raise RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\'')
+            raise RuntimeError("\"addmm_impl_cpu_\" not implemented for 'Half'")
         return real_ones(*args, dtype=dtype, **kwargs)
+
     monkeypatch.setattr(torch, "ones", ones)
     with pytest.raises(ValueError, match="the cpu device cannot run dtype float16: .*not implemented for 'Half'"):
         cpu_llm(TINY_MODEL_PATH, dtype="float16")
 
 
-@pytest.mark.parametrize("kwargs, error, message", [
-    (dict(dtype="fp8"), ValueError, "dtype must be 'auto' or one of float32, bfloat16, float16, got 'fp8'"),
-    (dict(dtype=torch.float16), TypeError, "dtype must be a string, got torch.float16"),
-    (dict(device="tpu"), ValueError, "device must be 'auto', 'cpu' or 'cuda', got 'tpu'"),
-    (dict(max_num_seqs="8"), TypeError, "max_num_seqs must be an int, got str '8'"),
-    (dict(max_model_len=10**6), ValueError, r"max_model_len must be in \[1, \d+\] \(the model's "
-                                            r"max_position_embeddings\)"),
-    (dict(block_size=12), ValueError, "block_size must be a power of two"),
-    (dict(seed=2**70), ValueError, "seed must fit in 64 bits"),   # (torch's own: "Overflow when unpacking long long")
-    (dict(num_kvcache_blocks=10**9), ValueError, r"a KV cache of 1,000,000,000 blocks \(.* GiB\) does not fit in cpu "
-                                                 r"memory .*: lower num_kvcache_blocks"),   # (an OSError of mmap's)
-    (dict(foo=1, max_num_seq=3), TypeError, "unknown engine argument\\(s\\) foo, max_num_seq; known: "),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(dtype="fp8"), ValueError, "dtype must be 'auto' or one of float32, bfloat16, float16, got 'fp8'"),
+        (dict(dtype=torch.float16), TypeError, "dtype must be a string, got torch.float16"),
+        (dict(device="tpu"), ValueError, "device must be 'auto', 'cpu' or 'cuda', got 'tpu'"),
+        (dict(max_num_seqs="8"), TypeError, "max_num_seqs must be an int, got str '8'"),
+        (
+            dict(max_model_len=10**6),
+            ValueError,
+            r"max_model_len must be in \[1, \d+\] \(the model's "
+            r"max_position_embeddings\)",
+        ),
+        (dict(block_size=12), ValueError, "block_size must be a power of two"),
+        (
+            dict(seed=2**70),
+            ValueError,
+            "seed must fit in 64 bits",
+        ),  # (torch's own: "Overflow when unpacking long long")
+        (
+            dict(num_kvcache_blocks=10**9),
+            ValueError,
+            r"a KV cache of 1,000,000,000 blocks \(.* GiB\) does not fit in cpu "
+            r"memory .*: lower num_kvcache_blocks",
+        ),  # (an OSError of mmap's)
+        (dict(foo=1, max_num_seq=3), TypeError, "unknown engine argument\\(s\\) foo, max_num_seq; known: "),
+    ],
+)
 def test_bad_engine_arguments(kwargs, error, message):
     with pytest.raises(error, match=message):
         cpu_llm(TINY_MODEL_PATH, **kwargs)
@@ -414,8 +470,9 @@ def test_small_kv_cache_preempts_and_gives_the_same_tokens():
     "120 requests through a cache that holds 3 full sequences: same greedy tokens as a roomy cache, all blocks back."
     rng = random.Random(8)
     prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 40))] for _ in range(120)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.5)
-              for _ in prompts]
+    params = [
+        SamplingParams(temperature=0, max_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.5) for _ in prompts
+    ]
     common = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=256)
     with cpu_llm(TINY_MODEL_PATH, num_kvcache_blocks=256, **common) as roomy:
         reference = token_ids(roomy.generate(prompts, params, use_tqdm=False))
@@ -444,6 +501,7 @@ def fail_once(monkeypatch, obj, name: str, exc: type[BaseException], after: int 
         if calls[0] == after + 1:
             raise exc("injected fault")
         return real(*args, **kwargs)
+
     monkeypatch.setattr(obj, name, flaky)
     return calls
 
@@ -452,18 +510,20 @@ def fail_once(monkeypatch, obj, name: str, exc: type[BaseException], after: int 
 @pytest.mark.parametrize("where", ["runner", "model.forward", "scheduler.postprocess"])
 def test_fault_in_a_step_leaves_the_engine_usable(llm, expected, monkeypatch, exc, where):
     engine = llm.llm_engine
-    owner, name = {"runner": runner_step(engine),
-                   "model.forward": (engine.executor.runner.model, "forward"),
-                   "scheduler.postprocess": (engine.scheduler, "postprocess")}[where]
+    owner, name = {
+        "runner": runner_step(engine),
+        "model.forward": (engine.executor.runner.model, "forward"),
+        "scheduler.postprocess": (engine.scheduler, "postprocess"),
+    }[where]
     calls = fail_once(monkeypatch, owner, name, exc)
-    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=8)   # a request with its own generator
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=8)  # a request with its own generator
     gc.collect()
-    before = [o for o in gc.get_objects() if type(o) is Sequence]   # (kept alive: their ids stay theirs)
+    before = [o for o in gc.get_objects() if type(o) is Sequence]  # (kept alive: their ids stay theirs)
     with pytest.raises(exc, match="injected fault"):
         llm.generate(GOOD + [[1, 2, 3]], [GREEDY] * len(GOOD) + [seeded], use_tqdm=False)
     assert calls[0] == 3
     assert_clean(engine)
-    gc.collect()   # and nothing holds the aborted sequences any more
+    gc.collect()  # and nothing holds the aborted sequences any more
     old = {id(o) for o in before}
     assert not [o for o in gc.get_objects() if type(o) is Sequence and id(o) not in old]
     del before
@@ -486,7 +546,7 @@ def test_stream_stopped_early_frees_its_request(llm, expected, num_deltas):
     stream.close()
     assert_clean(llm.llm_engine)
     assert_works(llm, expected)
-    engine = llm.llm_engine   # and stepping by hand works too
+    engine = llm.llm_engine  # and stepping by hand works too
     request_id = engine.add_request(None, GOOD[1], GREEDY)
     outputs = []
     while engine.has_unfinished_requests():
@@ -534,7 +594,9 @@ def test_abort_takes_one_id_or_a_list(llm, expected):
     "vLLM's abort_request takes a request id or a list of them; ids that are unknown or already ended are ignored."
     engine = llm.llm_engine
     keep = engine.add_request(None, GOOD[0], GREEDY)
-    victims = [engine.add_request(None, p, SamplingParams(temperature=0, max_tokens=20)) for p in ([1, 2, 3], [4, 5], [6])]
+    victims = [
+        engine.add_request(None, p, SamplingParams(temperature=0, max_tokens=20)) for p in ([1, 2, 3], [4, 5], [6])
+    ]
     engine.step()
     engine.abort_request(victims[:2] + ["no such request", victims[0]])
     engine.abort_request(victims[2])
@@ -605,7 +667,7 @@ def test_close_releases_model_and_kv_cache():
     assert model() is None and kv_cache() is None
     with pytest.raises(RuntimeError, match="this LLM is closed"):
         llm.generate(GOOD, GREEDY, use_tqdm=False)
-    llm.close()   # twice is fine
+    llm.close()  # twice is fine
 
 
 def test_context_manager_and_del_release_the_model():
@@ -629,7 +691,7 @@ def test_close_returns_the_kv_cache_memory_to_the_system():
     llm = cpu_llm(TINY_MODEL_PATH, max_model_len=256, cpu_kvcache_space_gib=size_gib)
     kv = llm.llm_engine.executor.runner.kv_cache
     assert kv.numel() * kv.element_size() == pytest.approx(size_gib * 2**30, rel=0.01)
-    kv.fill_(0)   # on a CPU the cache's pages are only real once written
+    kv.fill_(0)  # on a CPU the cache's pages are only real once written
     del kv
     gc.collect()
     before = rss()
@@ -646,6 +708,7 @@ def test_failed_construction_leaves_nothing_behind(monkeypatch):
     class BrokenScheduler:
         def __init__(self, *args, **kwargs):
             raise ValueError("broken scheduler")
+
     real_close = ModelRunner.close
     monkeypatch.setattr(llm_engine, "Scheduler", BrokenScheduler)
     monkeypatch.setattr(ModelRunner, "close", lambda self: closed.append(self) or real_close(self))
@@ -660,9 +723,10 @@ def test_gpu_memory_returns_after_close():
     driver's view), three times over. A first LLM warms up what is made once per process (CUDA context, cuBLAS
     workspace, compiled kernels)."""
     num_blocks, block_size = 16384, 16
-    kwargs = dict(device="cuda", dtype="bfloat16", max_model_len=256, block_size=block_size,
-                  num_kvcache_blocks=num_blocks)
-    kv_bytes = num_blocks * kv_block_bytes(HF_CONFIG, block_size, torch.bfloat16)   # 1 GiB on the tiny model
+    kwargs = dict(
+        device="cuda", dtype="bfloat16", max_model_len=256, block_size=block_size, num_kvcache_blocks=num_blocks
+    )
+    kv_bytes = num_blocks * kv_block_bytes(HF_CONFIG, block_size, torch.bfloat16)  # 1 GiB on the tiny model
 
     def settle():
         gc.collect()

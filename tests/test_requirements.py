@@ -1,4 +1,5 @@
 """requirements.txt and environment.yml must pin the same packages at the same versions."""
+
 import re
 from pathlib import Path
 
@@ -24,7 +25,7 @@ def test_requirements_are_all_pinned():
 def test_environment_yml_matches_requirements():
     req = pins((ROOT / "requirements.txt").read_text().splitlines())
     env_lines = (ROOT / "environment.yml").read_text().splitlines()
-    pip_section = env_lines[next(i for i, l in enumerate(env_lines) if l.strip() == "- pip:") + 1:]
+    pip_section = env_lines[next(i for i, l in enumerate(env_lines) if l.strip() == "- pip:") + 1 :]
     env = pins(pip_section)
     assert req == env
     assert {"torch", "triton", "transformers", "nbdev", "nbval"} <= set(req)

@@ -5,6 +5,7 @@ References: the argmax of the raw logits; Hugging Face `transformers`' logits wa
 order: temperature, top-k, top-p, min-p); a plain-Python float64 implementation of the same rules; chi-square tests of
 sampled frequencies at fixed seeds; `torch.log_softmax`.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,13 +16,25 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
-from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from minivllm import LLM, TINY_MODEL_PATH
 from minivllm.engine.sampling_cache import SamplingCache
-from minivllm.layers.sampler import (LogprobsTensors, Sampler, SamplingTensors, apply_min_p, apply_top_k,
-                                     apply_top_k_top_p, gather_logprobs, random_sample)
+from minivllm.layers.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplingTensors,
+    apply_min_p,
+    apply_top_k,
+    apply_top_k_top_p,
+    gather_logprobs,
+    random_sample,
+)
 from minivllm.sampling_params import SamplingParams
 
 # The running example of notebook 06: 12 candidate tokens after "def fibonacci(n):\n    ".
@@ -34,6 +47,7 @@ def random_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> torch
 
 
 # ---------------------------------------------------------------- references
+
 
 def hf_filtered(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     "One row through transformers' warpers, in generate's order: temperature, top-k, top-p, min-p."
@@ -94,6 +108,7 @@ def reference_probs(logits: list[float], T: float = 1.0, k: int = 0, p: float = 
 
 # ---------------------------------------------------------------- greedy
 
+
 def test_greedy_is_argmax_of_raw_logits_exactly():
     logits = random_logits(16, 1000, seed=0)
     s = SamplingTensors.from_params([SamplingParams(temperature=0.0, top_p=0.5, top_k=3, min_p=0.5)] * 16)
@@ -114,9 +129,14 @@ def test_greedy_in_low_precision_matches_float32_argmax(dtype):
 
 def test_greedy_rows_of_a_mixed_batch_take_the_argmax():
     logits = random_logits(6, 300, seed=2)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5),
-              SamplingParams(temperature=0.0, top_k=5), SamplingParams(top_k=7, min_p=0.1),
-              SamplingParams(temperature=1e-6), SamplingParams(top_p=0.3)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.5),
+        SamplingParams(temperature=0.0, top_k=5),
+        SamplingParams(top_k=7, min_p=0.1),
+        SamplingParams(temperature=1e-6),
+        SamplingParams(top_p=0.3),
+    ]
     s = SamplingTensors.from_params(params)
     assert not s.all_greedy and not s.all_random
     assert s.greedy_mask.tolist() == [True, False, True, False, True, False]
@@ -129,9 +149,14 @@ def test_greedy_rows_of_a_mixed_batch_take_the_argmax():
 def test_sampler_leaves_the_callers_logits_untouched():
     logits = random_logits(4, 200, seed=3)
     before = logits.clone()
-    s = SamplingTensors.from_params([SamplingParams(temperature=1.0, top_k=5, top_p=0.8, min_p=0.1),
-                                     SamplingParams(temperature=0.5), SamplingParams(temperature=0.0),
-                                     SamplingParams(top_k=3)])
+    s = SamplingTensors.from_params(
+        [
+            SamplingParams(temperature=1.0, top_k=5, top_p=0.8, min_p=0.1),
+            SamplingParams(temperature=0.5),
+            SamplingParams(temperature=0.0),
+            SamplingParams(top_k=3),
+        ]
+    )
     sampler(logits, s)
     assert torch.equal(logits, before)
     s = SamplingTensors.from_params([SamplingParams(top_k=3)] * 4)  # the topk-only path
@@ -141,9 +166,14 @@ def test_sampler_leaves_the_callers_logits_untouched():
 
 # ---------------------------------------------------------------- SamplingTensors
 
+
 def test_sampling_tensors_flags_and_neutral_values():
-    params = [SamplingParams(temperature=0.0, top_p=0.5, min_p=0.3), SamplingParams(temperature=0.7),
-              SamplingParams(top_k=3, logprobs=2), SamplingParams(top_k=-1, logprobs=0)]
+    params = [
+        SamplingParams(temperature=0.0, top_p=0.5, min_p=0.3),
+        SamplingParams(temperature=0.7),
+        SamplingParams(top_k=3, logprobs=2),
+        SamplingParams(top_k=-1, logprobs=0),
+    ]
     s = SamplingTensors.from_params(params)
     assert s.batch_size == 4 and not s.all_greedy and not s.all_random
     assert s.temperatures.tolist() == pytest.approx([1.0, 0.7, 1.0, 1.0])
@@ -160,20 +190,30 @@ def test_sampling_tensors_flags_and_neutral_values():
 # ---------------------------------------------------------------- filters against transformers
 
 FILTER_PARAMS = [
-    SamplingParams(top_k=1), SamplingParams(top_k=10), SamplingParams(top_k=400), SamplingParams(top_k=5000),
-    SamplingParams(top_p=0.01), SamplingParams(top_p=0.5), SamplingParams(top_p=0.9), SamplingParams(top_p=0.999),
-    SamplingParams(min_p=0.05), SamplingParams(min_p=0.5), SamplingParams(min_p=1.0),
-    SamplingParams(temperature=0.6, top_k=20, top_p=0.8), SamplingParams(temperature=1.7, top_k=50, min_p=0.02),
-    SamplingParams(temperature=0.8, top_p=0.95, min_p=0.1), SamplingParams(temperature=1.3, top_k=30, top_p=0.7,
-                                                                           min_p=0.05),
-    SamplingParams(temperature=0.9), SamplingParams(),
+    SamplingParams(top_k=1),
+    SamplingParams(top_k=10),
+    SamplingParams(top_k=400),
+    SamplingParams(top_k=5000),
+    SamplingParams(top_p=0.01),
+    SamplingParams(top_p=0.5),
+    SamplingParams(top_p=0.9),
+    SamplingParams(top_p=0.999),
+    SamplingParams(min_p=0.05),
+    SamplingParams(min_p=0.5),
+    SamplingParams(min_p=1.0),
+    SamplingParams(temperature=0.6, top_k=20, top_p=0.8),
+    SamplingParams(temperature=1.7, top_k=50, min_p=0.02),
+    SamplingParams(temperature=0.8, top_p=0.95, min_p=0.1),
+    SamplingParams(temperature=1.3, top_k=30, top_p=0.7, min_p=0.05),
+    SamplingParams(temperature=0.9),
+    SamplingParams(),
 ]
 
 
 def assert_same_filter(ours: torch.Tensor, theirs: torch.Tensor):
     kept, hf_kept = torch.isfinite(ours), torch.isfinite(theirs)
     assert torch.equal(kept, hf_kept), f"kept {kept.sum()} tokens, transformers {hf_kept.sum()}"
-    if ours.is_cuda:   # a GPU may divide by a tensor and by a Python float one ulp apart
+    if ours.is_cuda:  # a GPU may divide by a tensor and by a Python float one ulp apart
         torch.testing.assert_close(ours[kept], theirs[hf_kept], rtol=1e-6, atol=0)
     else:
         assert torch.equal(ours[kept], theirs[hf_kept])
@@ -198,7 +238,7 @@ def test_each_filter_matches_transformers_warpers_alone(sp):
 def test_top_k_keeps_ties_like_transformers():
     logits = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0, -1.0], [5.0, 4.0, 4.0, 3.0, 3.0, 3.0]])
     k = torch.tensor([2, 4])
-    expected = torch.stack([TopKLogitsWarper(int(kk))(None, logits[i:i + 1])[0] for i, kk in enumerate(k)])
+    expected = torch.stack([TopKLogitsWarper(int(kk))(None, logits[i : i + 1])[0] for i, kk in enumerate(k)])
     assert torch.equal(apply_top_k(logits.clone(), k, max_top_k=4), expected)
     assert torch.equal(apply_top_k_top_p(logits.clone(), k, None), expected)
     assert torch.isfinite(expected).sum(dim=1).tolist() == [3, 6]
@@ -245,11 +285,13 @@ def test_running_example_worked_numbers():
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1),
-       temperature=st.sampled_from([0.0, 0.3, 1.0, 2.5]),
-       top_k=st.sampled_from([-1, 0, 1, 2, 7, 40, 100]),
-       top_p=st.sampled_from([1.0, 0.999, 0.9, 0.5, 0.05]),
-       min_p=st.sampled_from([0.0, 0.01, 0.2, 0.9]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    temperature=st.sampled_from([0.0, 0.3, 1.0, 2.5]),
+    top_k=st.sampled_from([-1, 0, 1, 2, 7, 40, 100]),
+    top_p=st.sampled_from([1.0, 0.999, 0.9, 0.5, 0.05]),
+    min_p=st.sampled_from([0.0, 0.01, 0.2, 0.9]),
+)
 def test_sampled_tokens_are_always_ones_transformers_keeps(seed, temperature, top_k, top_p, min_p):
     sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     other = SamplingParams(temperature=0.8, top_k=5)
@@ -275,8 +317,10 @@ COMBOS = {  # name -> (SamplingParams, the reference's arguments)
     "T=1.3,k=6,m=0.1": (SamplingParams(temperature=1.3, top_k=6, min_p=0.1), dict(T=1.3, k=6, m=0.1)),
     "p=0.9": (SamplingParams(top_p=0.9), dict(p=0.9)),
     "k=5,p=0.8": (SamplingParams(top_k=5, top_p=0.8), dict(k=5, p=0.8)),
-    "T=0.7,k=5,p=0.95,m=0.15": (SamplingParams(temperature=0.7, top_k=5, top_p=0.95, min_p=0.15),
-                                dict(T=0.7, k=5, p=0.95, m=0.15)),
+    "T=0.7,k=5,p=0.95,m=0.15": (
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.95, min_p=0.15),
+        dict(T=0.7, k=5, p=0.95, m=0.15),
+    ),
     "T=2,p=0.8,m=0.05": (SamplingParams(temperature=2.0, top_p=0.8, min_p=0.05), dict(T=2.0, p=0.8, m=0.05)),
     "p=0.9,m=0.2": (SamplingParams(top_p=0.9, min_p=0.2), dict(p=0.9, m=0.2)),  # min-p first would never draw "a"
 }
@@ -292,10 +336,14 @@ def assert_frequencies(ids: torch.Tensor, expected: list[float], name: str):
     assert result.pvalue > 1e-3, f"{name}: counts {counts} vs expected {[round(n * q) for q in expected]}"
 
 
-@pytest.mark.parametrize("names", [
-    ["T=1", "T=0.7", "T=1.5", "k=3", "m=0.2", "T=1.3,k=6,m=0.1"],        # no top-p: top-k by topk, no sort
-    ["p=0.9", "k=5,p=0.8", "T=0.7,k=5,p=0.95,m=0.15", "T=2,p=0.8,m=0.05", "p=0.9,m=0.2", "k=3", "T=1"],  # one sort
-], ids=["topk-path", "sort-path"])
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["T=1", "T=0.7", "T=1.5", "k=3", "m=0.2", "T=1.3,k=6,m=0.1"],  # no top-p: top-k by topk, no sort
+        ["p=0.9", "k=5,p=0.8", "T=0.7,k=5,p=0.95,m=0.15", "T=2,p=0.8,m=0.05", "p=0.9,m=0.2", "k=3", "T=1"],  # one sort
+    ],
+    ids=["topk-path", "sort-path"],
+)
 def test_frequencies_match_the_filtered_distribution(names):
     "One mixed batch holds N_DRAWS rows of each combination (and greedy rows): each group's draws follow its law."
     params = [sp for name in names for sp in [COMBOS[name][0]] * N_DRAWS] + [SamplingParams(temperature=0.0)] * 10
@@ -304,7 +352,7 @@ def test_frequencies_match_the_filtered_distribution(names):
     ids = sampler(logits, SamplingTensors.from_params(params))
     for g, name in enumerate(names):
         expected = reference_probs(EXAMPLE, **COMBOS[name][1])
-        assert_frequencies(ids[g * N_DRAWS:(g + 1) * N_DRAWS], expected, name)
+        assert_frequencies(ids[g * N_DRAWS : (g + 1) * N_DRAWS], expected, name)
     assert (ids[-10:] == 0).all()
 
 
@@ -346,8 +394,13 @@ def sampling_cache(seq_ids, params: list[SamplingParams], seed: int = 0) -> Samp
     return cache
 
 
-def seeded_run(layout: list[SamplingParams], seeded_row: int, steps: list[torch.Tensor], default_seed: int,
-               seq_ids: list[int] | None = None) -> list[int]:
+def seeded_run(
+    layout: list[SamplingParams],
+    seeded_row: int,
+    steps: list[torch.Tensor],
+    default_seed: int,
+    seq_ids: list[int] | None = None,
+) -> list[int]:
     """Sample each step's logits (the seeded request's row given, the others random); return the seeded row's tokens.
     The rows without a seed draw from the cache's own generator, seeded with `default_seed` (the engine's seed)."""
     seq_ids = np.array(seq_ids or range(100, 100 + len(layout)))
@@ -366,11 +419,11 @@ def test_seed_gives_the_same_tokens_in_any_batch_at_any_row():
     steps = [random_logits(1, 2000, seed=500 + t, scale=1.0)[0] for t in range(12)]
     g, r = SamplingParams(temperature=0.0), SamplingParams(temperature=1.2)
     layouts = [
-        ([req], 0),                                                                        # alone: temperature only
-        ([r, SamplingParams(top_p=0.9), req, SamplingParams(seed=5, top_k=4)], 2),         # the sort path
-        ([SamplingParams(top_k=3), r, SamplingParams(min_p=0.1), r, r, req], 5),           # topk path + min-p
-        ([g, g, req, g], 2),                                                               # mixed greedy/random
-        ([req, SamplingParams(seed=1), SamplingParams(seed=77, temperature=0.5)], 0),      # every row seeded
+        ([req], 0),  # alone: temperature only
+        ([r, SamplingParams(top_p=0.9), req, SamplingParams(seed=5, top_k=4)], 2),  # the sort path
+        ([SamplingParams(top_k=3), r, SamplingParams(min_p=0.1), r, r, req], 5),  # topk path + min-p
+        ([g, g, req, g], 2),  # mixed greedy/random
+        ([req, SamplingParams(seed=1), SamplingParams(seed=77, temperature=0.5)], 0),  # every row seeded
     ]
     runs = [seeded_run(layout, row, steps, default_seed=i) for i, (layout, row) in enumerate(layouts)]
     assert all(run == runs[0] for run in runs), runs
@@ -387,7 +440,7 @@ def test_rows_without_a_seed_follow_the_engine_seed_not_torchs_global_rng():
     layout = [SamplingParams(temperature=1.0), SamplingParams(top_p=0.9), SamplingParams(temperature=0.0)]
     torch.manual_seed(1)
     first = seeded_run(layout, 0, steps, default_seed=3)
-    torch.manual_seed(123)   # torch's global generator plays no part
+    torch.manual_seed(123)  # torch's global generator plays no part
     assert seeded_run(layout, 0, steps, default_seed=3) == first
     assert len(set(first)) > 3
     # a request's seed is its own: the cache's generator draws only for the rows without one
@@ -402,8 +455,9 @@ def test_seeded_request_with_filters_is_reproducible():
     req = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, seed=3)
     steps = [random_logits(1, 700, seed=900 + t, scale=2.0)[0] for t in range(10)]
     a = seeded_run([req], 0, steps, default_seed=10)
-    b = seeded_run([SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(min_p=0.3), req], 3, steps,
-                   default_seed=11)
+    b = seeded_run(
+        [SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(min_p=0.3), req], 3, steps, default_seed=11
+    )
     assert a == b
 
 
@@ -412,12 +466,12 @@ def test_sampling_cache_lifecycle():
     cache = sampling_cache([10, 11, 12, 13], params)
     s, rows = cache.batch(np.array([10, 11, 12, 13]))
     assert s.batch_size == 4 and s.greedy_mask.tolist() == [False, False, True, False]
-    assert sorted(rows) == [0, 3] and len(cache.generators) == 2   # greedy: no generator
+    assert sorted(rows) == [0, 3] and len(cache.generators) == 2  # greedy: no generator
     assert 10 in cache.generators and 12 not in cache.generators
     s, again = cache.batch(np.array([13, 10]))
     assert s.batch_size == 2 and s.all_random
     assert again[0] is rows[3] and again[1] is rows[0]  # kept across steps, whatever the row
-    assert cache.batch(np.array([11, 12]))[1] is None   # no row with a seed
+    assert cache.batch(np.array([11, 12]))[1] is None  # no row with a seed
     assert all(g is not cache.generator for g in rows.values())
     cache.free(10)
     cache.free(999)  # unknown ids are ignored
@@ -457,8 +511,7 @@ ENGINE_PROMPTS = ["def fibonacci(n):\n    ", [5, 6, 7, 8], "import os\n", [9, 10
 
 def engine_random_outputs(seed: int, params: list[SamplingParams], prompts=ENGINE_PROMPTS) -> list[list[int]]:
     "The token ids an engine (tiny model, CPU, float32) with `Config.seed=seed` generates for `prompts`."
-    with LLM(TINY_MODEL_PATH, device="cpu", dtype="float32", max_model_len=64, num_kvcache_blocks=32,
-             seed=seed) as llm:
+    with LLM(TINY_MODEL_PATH, device="cpu", dtype="float32", max_model_len=64, num_kvcache_blocks=32, seed=seed) as llm:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
@@ -471,21 +524,27 @@ def test_engine_random_outputs_depend_on_its_seed_only():
     first = engine_random_outputs(0, params)
     torch.manual_seed(123)
     assert engine_random_outputs(0, params) == first
-    assert len({t for ids in first for t in ids}) > 10   # really random
+    assert len({t for ids in first for t in ids}) > 10  # really random
     assert engine_random_outputs(1, params) != first
     seeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=42)
     alone = engine_random_outputs(0, [seeded], ENGINE_PROMPTS[:1])
-    among = engine_random_outputs(5, [params, params, seeded, params], ENGINE_PROMPTS[1:3] + ENGINE_PROMPTS[:1]
-                                  + ENGINE_PROMPTS[3:])
+    among = engine_random_outputs(
+        5, [params, params, seeded, params], ENGINE_PROMPTS[1:3] + ENGINE_PROMPTS[:1] + ENGINE_PROMPTS[3:]
+    )
     assert among[2] == alone[0]
 
 
 # ---------------------------------------------------------------- logprobs
 
+
 def test_logprobs_are_the_raw_log_softmax():
     logits = random_logits(4, 300, seed=11)
-    params = [SamplingParams(temperature=0.5, logprobs=3), SamplingParams(logprobs=0), SamplingParams(),
-              SamplingParams(temperature=0.0, logprobs=5)]
+    params = [
+        SamplingParams(temperature=0.5, logprobs=3),
+        SamplingParams(logprobs=0),
+        SamplingParams(),
+        SamplingParams(temperature=0.0, logprobs=5),
+    ]
     s = SamplingTensors.from_params(params)
     torch.manual_seed(0)
     ids = sampler(logits, s)
@@ -499,14 +558,14 @@ def test_logprobs_are_the_raw_log_softmax():
     assert torch.equal(lt.token_ids[:, 1:], top.indices)
     per_row = lt.tolists(s.num_logprobs)
     assert per_row[2] is None
-    assert list(per_row[1]) == [int(ids[1])]                       # logprobs=0: only the sampled token
+    assert list(per_row[1]) == [int(ids[1])]  # logprobs=0: only the sampled token
     for row, n in [(0, 3), (3, 5)]:
         d = per_row[row]
-        assert next(iter(d)) == int(ids[row])                      # the sampled token first
+        assert next(iter(d)) == int(ids[row])  # the sampled token first
         assert set(d) == {int(ids[row])} | set(top.indices[row, :n].tolist())
         for tok, (lp, rank) in d.items():
             assert lp == pytest.approx(float(ref[row, tok]), abs=1e-5)
-            assert rank == 1 + int((ref[row] > ref[row, tok]).sum())   # vLLM's rank: 1 for the most likely token
+            assert rank == 1 + int((ref[row] > ref[row, tok]).sum())  # vLLM's rank: 1 for the most likely token
     assert len(per_row[3]) == 5  # greedy: the sampled token is the most likely one, so no extra entry
 
 
@@ -537,11 +596,16 @@ def test_cumulative_logprob_as_the_engine_adds_it():
 
 # ---------------------------------------------------------------- GPU (run by the lead on the H200)
 
+
 @pytest.mark.gpu
 def test_cuda_sampler_end_to_end():
     dev = torch.device("cuda")
-    params = [SamplingParams(temperature=0.0), SamplingParams(top_k=3), SamplingParams(top_p=0.9, seed=7),
-              SamplingParams(temperature=0.7, top_k=5, top_p=0.95, min_p=0.15, logprobs=2)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=3),
+        SamplingParams(top_p=0.9, seed=7),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.95, min_p=0.15, logprobs=2),
+    ]
     s = SamplingTensors.from_params(params, device=dev)  # the pinned, non-blocking copies
     assert s.temperatures.device.type == "cuda" and s.top_k.tolist() == [0, 3, 0, 5]
     logits = random_logits(4, 151_936, seed=0).to(dev, torch.bfloat16)
@@ -571,7 +635,7 @@ def test_cuda_frequencies_and_seeds():
     torch.manual_seed(1234)
     ids = sampler(logits, SamplingTensors.from_params(params, device=dev)).cpu()
     for g, name in enumerate(names):
-        assert_frequencies(ids[g * N_DRAWS:(g + 1) * N_DRAWS], reference_probs(EXAMPLE, **COMBOS[name][1]), name)
+        assert_frequencies(ids[g * N_DRAWS : (g + 1) * N_DRAWS], reference_probs(EXAMPLE, **COMBOS[name][1]), name)
     req = SamplingParams(temperature=1.0, seed=77)
     steps = [random_logits(1, 151_936, seed=t)[0].to(dev) for t in range(8)]
     runs = []

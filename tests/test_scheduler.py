@@ -5,6 +5,7 @@ The fake model's next token is a pure function of the sequence's tokens so far, 
 produce running alone. A fake KV cache checks that every step reads the right tokens at the right positions
 through the block tables, and never writes into a shared or cached block.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,7 +37,7 @@ def reference(prompt: list[int], params: SamplingParams, eos_ids: set[int], max_
     while True:
         t = fake_next_token(tokens)
         tokens.append(t)
-        out = tokens[len(prompt):]
+        out = tokens[len(prompt) :]
         if t in eos_ids and not params.ignore_eos:
             return out, "stop", None
         if t in params.stop_token_ids:
@@ -66,19 +67,20 @@ class FakeRunner:
     def run(self, batch: StepPlan) -> list[int]:
         out = []
         for seq, n, sample in zip(batch.seqs, batch.num_new_tokens, batch.sample):
-            if seq.is_finished:   # finished (aborted, or by its last step) after this step was planned: token dropped
+            if seq.is_finished:  # finished (aborted, or by its last step) after this step was planned: token dropped
                 out.append(0)
                 continue
             start = seq.num_computed_tokens
             assert len(seq.block_table) * self.bs >= start + n
-            self.check_context(seq, start)       # cached prefix and earlier steps are intact
+            self.check_context(seq, start)  # cached prefix and earlier steps are intact
             for pos in range(start, start + n):
                 b, off = self.slot(seq, pos)
                 block = self.bm.blocks[b]
                 # a shared or cached block is written only by the step that registered it (a prompt admitted with
                 # it), with the very tokens it is registered for
-                assert (block.ref_count == 1 and block.hash == -1) or block.token_ids[off] == seq.token_ids[pos], \
+                assert (block.ref_count == 1 and block.hash == -1) or block.token_ids[off] == seq.token_ids[pos], (
                     "write into a shared or cached block"
+                )
                 self.kv[b][off] = (seq.token_ids[pos], pos)
             if sample:
                 self.check_context(seq, start + n)
@@ -105,10 +107,19 @@ def check_decode_plan(plan: StepPlan) -> None:
     general = StepPlan.of(plan.seqs, [1] * len(plan))
     assert all(s.num_prompt_tokens <= s.num_computed_tokens == s.num_tokens - 1 for s in plan.seqs if not s.is_finished)
     assert (plan.num_new_tokens, plan.sample, plan.prefill, plan.sampled, plan.num_prefill_tokens) == (
-        [1] * len(plan), [True] * len(plan), [False] * len(plan), plan.seqs, 0)
+        [1] * len(plan),
+        [True] * len(plan),
+        [False] * len(plan),
+        plan.seqs,
+        0,
+    )
     if not any(s.is_finished for s in plan.seqs):
         assert (general.sample, general.prefill, general.sampled, general.num_prefill_tokens) == (
-            plan.sample, plan.prefill, plan.sampled, plan.num_prefill_tokens)
+            plan.sample,
+            plan.prefill,
+            plan.sampled,
+            plan.num_prefill_tokens,
+        )
 
 
 def check_ahead(sched: Scheduler, prev: StepPlan, ahead: StepPlan | None, free_before: int) -> None:
@@ -117,19 +128,31 @@ def check_ahead(sched: Scheduler, prev: StepPlan, ahead: StepPlan | None, free_b
         assert sched.block_manager.num_free_blocks == free_before, "a refused lookahead reserved blocks"
         return
     assert prev.is_decode_only and len(prev) == len(sched.running) and sched.policy == "mixed"
-    by_length = {s.seq_id for s in prev.seqs
-                 if s.num_tokens + 1 >= min(sched.max_model_len, s.max_num_tokens)}   # prev's token ends them
+    by_length = {
+        s.seq_id for s in prev.seqs if s.num_tokens + 1 >= min(sched.max_model_len, s.max_num_tokens)
+    }  # prev's token ends them
     rows = [i for i, s in enumerate(prev.seqs) if s.seq_id not in by_length]
     assert ahead.ahead_rows == rows and ahead.seqs == [prev.seqs[i] for i in rows]
     assert (ahead.num_new_tokens, ahead.sample, ahead.prefill, ahead.sampled, ahead.num_prefill_tokens) == (
-        [1] * len(ahead), [True] * len(ahead), [False] * len(ahead), ahead.seqs, 0)
+        [1] * len(ahead),
+        [True] * len(ahead),
+        [False] * len(ahead),
+        ahead.seqs,
+        0,
+    )
     assert ahead.preempted == [] and ahead.is_decode_only
-    for s in ahead.seqs:   # a block for the token prev samples, which the ahead step computes
+    for s in ahead.seqs:  # a block for the token prev samples, which the ahead step computes
         assert len(s.block_table) * sched.block_size >= s.num_tokens + 1
 
 
-def drive(sched: Scheduler, arrivals: list[tuple[int, Sequence]], aborts: dict[int, int] | None = None,
-          max_steps: int = 20_000, lookahead: bool = False, runner: FakeRunner | None = None) -> list[StepPlan]:
+def drive(
+    sched: Scheduler,
+    arrivals: list[tuple[int, Sequence]],
+    aborts: dict[int, int] | None = None,
+    max_steps: int = 20_000,
+    lookahead: bool = False,
+    runner: FakeRunner | None = None,
+) -> list[StepPlan]:
     """Run requests (arrival step, Sequence) to completion, checking everything after every step. With `lookahead`,
     as the engine's asynchronous scheduling: the decode step after each step is planned before that step's tokens
     are applied, and run next instead of a scheduled one. `runner`: the fake KV cache of earlier steps, if any."""
@@ -144,9 +167,10 @@ def drive(sched: Scheduler, arrivals: list[tuple[int, Sequence]], aborts: dict[i
             assert seq.finish_reason == "abort" and not seq.block_table
         if ahead is not None:
             batch, ahead = ahead, None
-            assert all(s.status is (SequenceStatus.FINISHED if s.is_finished else SequenceStatus.RUNNING)
-                       for s in batch.seqs)
-            check_decode_plan(batch)   # now that the step before it is applied, it is a decode step
+            assert all(
+                s.status is (SequenceStatus.FINISHED if s.is_finished else SequenceStatus.RUNNING) for s in batch.seqs
+            )
+            check_decode_plan(batch)  # now that the step before it is applied, it is a decode step
             check_state(sched)
         elif sched.has_unfinished():
             decoding = {s.seq_id for s in sched.running if s.num_uncomputed_tokens == 1}
@@ -154,7 +178,7 @@ def drive(sched: Scheduler, arrivals: list[tuple[int, Sequence]], aborts: dict[i
             assert batch.total_tokens <= sched.max_num_batched_tokens
             assert 0 < len(batch) <= sched.max_num_seqs and len({s.seq_id for s in batch.seqs}) == len(batch)
             assert all(n >= 1 and s.status is SequenceStatus.RUNNING for s, n in zip(batch.seqs, batch.num_new_tokens))
-            if sched.policy == "prefill_first":   # a step is all prompt work or all decodes, never both
+            if sched.policy == "prefill_first":  # a step is all prompt work or all decodes, never both
                 kinds = {s.seq_id in decoding for s in batch.seqs}
                 assert len(kinds) == 1, "prefill_first mixed prompt work and decodes"
             if not any(batch.prefill):
@@ -189,8 +213,9 @@ def make(sched: Scheduler, prompt, **params) -> Sequence:
 
 def assert_reference_outputs(sched: Scheduler, seqs: list[Sequence]) -> None:
     for s in seqs:
-        tokens, reason, stop_reason = reference(s.prompt_token_ids, s.sampling_params, sched.eos_token_ids,
-                                                sched.max_model_len)
+        tokens, reason, stop_reason = reference(
+            s.prompt_token_ids, s.sampling_params, sched.eos_token_ids, sched.max_model_len
+        )
         assert (s.completion_token_ids, s.finish_reason, s.stop_reason) == (tokens, reason, stop_reason), s
         assert s.num_tokens <= sched.max_model_len
 
@@ -218,9 +243,9 @@ def test_mixed_policy_exact_steps():
     seqs = [make(sched, range(100 * i, 100 * i + n), max_tokens=3, ignore_eos=True) for i, n in enumerate([6, 9, 5])]
     batches = drive(sched, [(0, s) for s in seqs])
     assert [plan(b, seqs) for b in batches] == [
-        [(0, 6), (1, 2)],            # a whole prompt, then a chunk of the next
-        [(0, 1), (1, 7)],            # the decode first, then the rest of the chunked prompt
-        [(0, 1), (1, 1), (2, 5)],    # two decodes and a new prompt in one step
+        [(0, 6), (1, 2)],  # a whole prompt, then a chunk of the next
+        [(0, 1), (1, 7)],  # the decode first, then the rest of the chunked prompt
+        [(0, 1), (1, 1), (2, 5)],  # two decodes and a new prompt in one step
         [(1, 1), (2, 1)],
         [(2, 1)],
     ]
@@ -231,21 +256,32 @@ def test_mixed_policy_exact_steps():
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_room():
-    sched = Scheduler(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=12,
-                      enable_chunked_prefill=False)
+    sched = Scheduler(
+        num_blocks=16,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=12,
+        max_model_len=12,
+        enable_chunked_prefill=False,
+    )
     seqs = [make(sched, range(100 * i, 100 * i + n), max_tokens=2, ignore_eos=True) for i, n in enumerate([6, 9])]
     batches = drive(sched, [(0, s) for s in seqs])
     assert [plan(b, seqs) for b in batches] == [[(0, 6)], [(0, 1), (1, 9)], [(1, 1)]]
 
 
 def test_prefill_first_policy_never_mixes():
-    sched = Scheduler(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=32,
-                      policy="prefill_first")
+    sched = Scheduler(
+        num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=32, policy="prefill_first"
+    )
     seqs = [make(sched, range(100 * i, 100 * i + n), max_tokens=3, ignore_eos=True) for i, n in enumerate([6, 9, 5])]
     batches = drive(sched, [(0, s) for s in seqs])
     assert [plan(b, seqs) for b in batches] == [
-        [(0, 6), (1, 2)], [(1, 7), (2, 1)], [(2, 4)],   # prompt work only, while there is any
-        [(0, 1), (1, 1), (2, 1)], [(0, 1), (1, 1), (2, 1)]]
+        [(0, 6), (1, 2)],
+        [(1, 7), (2, 1)],
+        [(2, 4)],  # prompt work only, while there is any
+        [(0, 1), (1, 1), (2, 1)],
+        [(0, 1), (1, 1), (2, 1)],
+    ]
     assert_reference_outputs(sched, seqs)
 
 
@@ -253,8 +289,7 @@ def test_max_num_seqs_limits_running():
     sched = Scheduler(num_blocks=32, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=32)
     seqs = [make(sched, [i, i + 1, i + 2], max_tokens=2, ignore_eos=True) for i in range(0, 40, 10)]
     batches = drive(sched, [(0, s) for s in seqs])
-    assert [plan(b, seqs) for b in batches] == [[(0, 3), (1, 3)], [(0, 1), (1, 1)], [(2, 3), (3, 3)],
-                                                [(2, 1), (3, 1)]]
+    assert [plan(b, seqs) for b in batches] == [[(0, 3), (1, 3)], [(0, 1), (1, 1)], [(2, 3), (3, 3)], [(2, 1), (3, 1)]]
 
 
 def test_prefix_hits_at_admission_reduce_the_prompt_work():
@@ -275,7 +310,7 @@ def test_prompts_arriving_together_with_a_shared_prefix_compute_it_once():
     second = make(sched, list(range(9)) + [77, 78], max_tokens=2, ignore_eos=True)
     other = make(sched, [50, 51, 52], max_tokens=2, ignore_eos=True)
     batches = drive(sched, [(0, first), (0, second), (0, other)])
-    assert plan(batches[0], [first, second, other]) == [(0, 10), (1, 3), (2, 3)]   # one step: second hits 8 tokens
+    assert plan(batches[0], [first, second, other]) == [(0, 10), (1, 3), (2, 3)]  # one step: second hits 8 tokens
     assert second.block_table[:2] == first.block_table[:2]
     assert second.num_cached_tokens == 8 and sched.block_manager.prefix_cache_hits == 8
     assert_reference_outputs(sched, [first, second, other])
@@ -288,7 +323,7 @@ def test_preemption_victim_is_the_most_recently_admitted_and_nothing_is_admitted
     for s in (a, b, c):
         sched.add(s)
     runner = FakeRunner(sched)
-    batch = sched.schedule()                     # 3 x 2 blocks = 6 of 8
+    batch = sched.schedule()  # 3 x 2 blocks = 6 of 8
     assert batch.seqs == [a, b, c]
     sched.postprocess(batch, runner.run(batch))  # each now has 9 tokens: the next step needs a block each
     late = make(sched, [1, 2, 3], max_tokens=1)
@@ -297,7 +332,7 @@ def test_preemption_victim_is_the_most_recently_admitted_and_nothing_is_admitted
     assert batch.seqs == [a, b] and [s.seq_id for s in batch.preempted] == [c.seq_id]
     assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0 and c.block_table == []
     assert c.num_preemptions == 1 and sched.num_preemptions == 1
-    assert list(sched.waiting) == [c, late]      # back at the front; and nobody admitted in this step
+    assert list(sched.waiting) == [c, late]  # back at the front; and nobody admitted in this step
     sched.postprocess(batch, runner.run(batch))
     check_state(sched)
 
@@ -305,10 +340,19 @@ def test_preemption_victim_is_the_most_recently_admitted_and_nothing_is_admitted
 def test_small_cache_preempts_and_outputs_match_unconstrained_runs():
     for caching in (True, False):
         for policy in POLICIES:
-            sched = Scheduler(num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-                              max_model_len=40, enable_prefix_caching=caching, policy=policy)
-            seqs = [make(sched, [i % 7 + 1] * 3 + list(range(10 * i, 10 * i + 4)), max_tokens=24, ignore_eos=True)
-                    for i in range(4)]
+            sched = Scheduler(
+                num_blocks=10,
+                block_size=4,
+                max_num_seqs=4,
+                max_num_batched_tokens=16,
+                max_model_len=40,
+                enable_prefix_caching=caching,
+                policy=policy,
+            )
+            seqs = [
+                make(sched, [i % 7 + 1] * 3 + list(range(10 * i, 10 * i + 4)), max_tokens=24, ignore_eos=True)
+                for i in range(4)
+            ]
             drive(sched, [(0, s) for s in seqs])
             assert sched.num_preemptions > 0 and sum(s.num_preemptions for s in seqs) == sched.num_preemptions
             assert_reference_outputs(sched, seqs)
@@ -321,7 +365,7 @@ def test_a_lone_sequence_that_cannot_grow_raises_instead_of_hanging():
     sched.add(seq)
     batch = sched.schedule()
     sched.postprocess(batch, [5])
-    leak = Sequence(range(100, 112), block_size=4)   # blocks taken behind the scheduler's back
+    leak = Sequence(range(100, 112), block_size=4)  # blocks taken behind the scheduler's back
     sched.block_manager.allocate(leak, 12, sched.block_manager.match_prefix(leak))
     with pytest.raises(RuntimeError, match="no other sequence to preempt"):
         sched.schedule()
@@ -334,7 +378,7 @@ def test_block_hashes_survive_preemption_and_are_not_recomputed(monkeypatch):
         calls.append((tuple(array("q", data)), prefix_hash))
         return hash_bytes(data, prefix_hash)
 
-    def compute_block_hash(token_ids, prefix_hash=-1):   # the definition, without counting
+    def compute_block_hash(token_ids, prefix_hash=-1):  # the definition, without counting
         return hash_bytes(array("q", token_ids).tobytes(), prefix_hash)
 
     monkeypatch.setattr(bm_module, "hash_block_bytes", counting)
@@ -344,15 +388,15 @@ def test_block_hashes_survive_preemption_and_are_not_recomputed(monkeypatch):
         sched.add(s)
     runner = FakeRunner(sched)
     batch = sched.schedule()
-    sched.postprocess(batch, runner.run(batch))   # each has 8 computed tokens: 2 full blocks, hashed once each
+    sched.postprocess(batch, runner.run(batch))  # each has 8 computed tokens: 2 full blocks, hashed once each
     assert len(calls) == 6
     hashes = list(c.block_hashes)
     assert hashes == [compute_block_hash(c.block(0)), compute_block_hash(c.block(1), compute_block_hash(c.block(0)))]
     batch = sched.schedule()
     assert [s.seq_id for s in batch.preempted] == [c.seq_id]
-    assert c.block_table == [] and c.num_computed_tokens == 0 and c.block_hashes == hashes   # kept
+    assert c.block_table == [] and c.num_computed_tokens == 0 and c.block_hashes == hashes  # kept
     sched.postprocess(batch, runner.run(batch))
-    assert len(calls) == 6                        # no block filled up: nothing hashed
+    assert len(calls) == 6  # no block filled up: nothing hashed
     seqs, n = [a, b, c], 0
     while c.status is not SequenceStatus.RUNNING:  # a and b finish, then c is admitted again
         batch = sched.schedule()
@@ -360,17 +404,20 @@ def test_block_hashes_survive_preemption_and_are_not_recomputed(monkeypatch):
         n += 1
         assert n < 50
     assert c.block_hashes[:2] == hashes
-    assert not any(tokens in (tuple(c.block(0)), tuple(c.block(1))) for tokens, _ in calls[6:])   # not rehashed
+    assert not any(tokens in (tuple(c.block(0)), tuple(c.block(1))) for tokens, _ in calls[6:])  # not rehashed
     drive(sched, [], runner=runner)
     assert_reference_outputs(sched, seqs)
-    for s in seqs:                                # every sequence's hashes: the chained hashes of its full blocks
+    for s in seqs:  # every sequence's hashes: the chained hashes of its full blocks
         expect = []
         for i in range(len(s.block_hashes)):
             expect.append(compute_block_hash(s.block(i), expect[-1] if expect else -1))
         assert s.block_hashes == expect and len(s.block_hashes) <= s.num_full_blocks
-    counts = Counter(calls)   # each full block hashed once, however often it was matched, committed or recomputed
-    assert all(counts[tuple(s.block(i)), s.block_hashes[i - 1] if i else -1] == 1
-               for s in seqs for i in range(len(s.block_hashes)))
+    counts = Counter(calls)  # each full block hashed once, however often it was matched, committed or recomputed
+    assert all(
+        counts[tuple(s.block(i)), s.block_hashes[i - 1] if i else -1] == 1
+        for s in seqs
+        for i in range(len(s.block_hashes))
+    )
     assert len(calls) == sum(len(s.block_hashes) for s in seqs)
 
 
@@ -388,20 +435,25 @@ def test_check_stop_rules_and_order():
     assert stop(7, stop_token_ids=[7], ignore_eos=True) == ("stop", 7)
     assert stop(5, max_tokens=1) == ("length", None)
     assert stop(5, max_tokens=2) == (None, None)
-    assert stop(0, max_tokens=1) == ("stop", None)            # a token stop wins over the length limit
+    assert stop(0, max_tokens=1) == ("stop", None)  # a token stop wins over the length limit
     assert stop(5, max_tokens=None, max_model_len=4) == ("length", None)
     assert stop(5, max_tokens=None, max_model_len=5) == (None, None)
 
 
 @pytest.mark.parametrize("eos", [None, 3, [3, 11]])
 def test_stop_rules_through_the_scheduler(eos):
-    sched = Scheduler(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=24,
-                      eos_token_id=eos)
+    sched = Scheduler(
+        num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=24, eos_token_id=eos
+    )
     seqs = []
     for i in range(24):
         prompt = [i, i + 1, (7 * i) % VOCAB]
-        params = [dict(max_tokens=5), dict(max_tokens=None), dict(max_tokens=30, ignore_eos=True),
-                  dict(max_tokens=None, stop_token_ids=[i % VOCAB, (3 * i) % VOCAB])][i % 4]
+        params = [
+            dict(max_tokens=5),
+            dict(max_tokens=None),
+            dict(max_tokens=30, ignore_eos=True),
+            dict(max_tokens=None, stop_token_ids=[i % VOCAB, (3 * i) % VOCAB]),
+        ][i % 4]
         seqs.append(make(sched, prompt, **params))
     drive(sched, [(i // 4, s) for i, s in enumerate(seqs)])
     assert_reference_outputs(sched, seqs)
@@ -417,14 +469,14 @@ def test_finish_and_abort():
         sched.add(s)
     batch = sched.schedule()
     assert batch.seqs == [a, b] and list(sched.waiting) == [c]
-    sched.finish(a, "stop", stop_reason="\n\n")      # the engine's stop strings
+    sched.finish(a, "stop", stop_reason="\n\n")  # the engine's stop strings
     assert (a.status, a.finish_reason, a.stop_reason, a.block_table) == (SequenceStatus.FINISHED, "stop", "\n\n", [])
-    finished = sched.postprocess(batch, [1, 2])      # a finished while its step ran: skipped
+    finished = sched.postprocess(batch, [1, 2])  # a finished while its step ran: skipped
     assert finished == [] and a.num_tokens == 5 and b.num_tokens == 6
-    sched.finish(a, "stop")                          # finishing twice is a no-op
+    sched.finish(a, "stop")  # finishing twice is a no-op
     assert (a.finish_reason, a.stop_reason, sched.num_finished) == ("stop", "\n\n", 1)
     aborted = list(sched.running) + list(sched.waiting)
-    for s in aborted:                                # abort everything (one running, one waiting)
+    for s in aborted:  # abort everything (one running, one waiting)
         sched.abort(s)
     assert {s.seq_id for s in aborted} == {b.seq_id, c.seq_id} and sched.num_finished == 3
     assert all(s.finish_reason == "abort" for s in aborted) and not sched.has_unfinished()
@@ -458,31 +510,36 @@ def test_step_plan_of_and_decode_agree_on_a_decode_step(seqs):
         assert plan.total_tokens == len(seqs) and plan.is_decode_only == bool(seqs)
         assert plan.preempted == [] and plan.ahead_rows is None
     assert (general.sample, general.prefill, general.sampled, general.num_prefill_tokens) == (
-        decode.sample, decode.prefill, decode.sampled, decode.num_prefill_tokens)
+        decode.sample,
+        decode.prefill,
+        decode.sampled,
+        decode.num_prefill_tokens,
+    )
     assert decode.sample == [True] * len(seqs) and decode.prefill == [False] * len(seqs) and decode.sampled == seqs
     assert StepPlan.decode(seqs, ahead_rows=list(range(len(seqs)))).ahead_rows == list(range(len(seqs)))
 
 
 def test_step_plan_of_tells_a_last_prompt_token_from_a_decode():
     done = Sequence([1, 2, 3], block_size=4)
-    done.num_computed_tokens = 2                  # a chunked prompt's last token: prefill, sampled
+    done.num_computed_tokens = 2  # a chunked prompt's last token: prefill, sampled
     decoding = Sequence([1, 2, 3], block_size=4)
     decoding.append_token(9)
     decoding.num_computed_tokens = 3
-    chunk = Sequence([5, 6, 7, 8, 9], block_size=4)   # a chunk that stops short of the end: not sampled
+    chunk = Sequence([5, 6, 7, 8, 9], block_size=4)  # a chunk that stops short of the end: not sampled
     plan = StepPlan.of([done, decoding, chunk], [1, 1, 2], preempted=[Sequence([4])])
     assert plan.sample == [True, True, False] and plan.prefill == [True, False, True]
     assert plan.sampled == [done, decoding] and plan.num_prefill_tokens == 3 and len(plan.preempted) == 1
     assert not plan.is_decode_only and plan.total_tokens == 4
-    assert StepPlan.of([done, decoding], [1, 1]).is_decode_only    # one token each, though one is a prompt's
+    assert StepPlan.of([done, decoding], [1, 1]).is_decode_only  # one token each, though one is a prompt's
     assert not StepPlan.of([], []).is_decode_only
 
 
 # ---- planning the next decode step ahead ---------------------------------------------------------------------------
 def lookahead_scheduler(max_num_seqs: int = 3):
     "Three sequences right after their prompts: a (8 tokens in 2 blocks), b (6 tokens, max_tokens 2), c (3 tokens)."
-    sched = Scheduler(num_blocks=16, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=32,
-                      max_model_len=32)
+    sched = Scheduler(
+        num_blocks=16, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=32, max_model_len=32
+    )
     a = make(sched, range(100, 107), max_tokens=10, ignore_eos=True)
     b = make(sched, range(200, 205), max_tokens=2, ignore_eos=True)
     c = make(sched, range(300, 302), max_tokens=10, ignore_eos=True)
@@ -491,7 +548,7 @@ def lookahead_scheduler(max_num_seqs: int = 3):
     runner = FakeRunner(sched)
     prefill = sched.schedule()
     free = sched.block_manager.num_free_blocks
-    assert plan_lookahead(sched, prefill) is None                   # not a decode step: nothing planned
+    assert plan_lookahead(sched, prefill) is None  # not a decode step: nothing planned
     assert sched.block_manager.num_free_blocks == free
     sched.postprocess(prefill, runner.run(prefill))
     return sched, runner, a, b, c
@@ -503,13 +560,18 @@ def test_plan_lookahead_plans_the_next_decode_of_the_kept_sequences():
     assert decode.seqs == [a, b, c] and decode.is_decode_only
     free, tables = sched.block_manager.num_free_blocks, {s.seq_id: list(s.block_table) for s in (a, b, c)}
     ahead = plan_lookahead(sched, decode)
-    assert ahead.seqs == [a, c]                      # b: `decode` samples its last token (max_tokens): left out
-    assert ahead.ahead_rows == [0, 2]                # a's and c's rows in `decode`
+    assert ahead.seqs == [a, c]  # b: `decode` samples its last token (max_tokens): left out
+    assert ahead.ahead_rows == [0, 2]  # a's and c's rows in `decode`
     assert (ahead.num_new_tokens, ahead.sample, ahead.prefill, ahead.sampled, ahead.num_prefill_tokens) == (
-        [1, 1], [True, True], [False, False], [a, c], 0)
+        [1, 1],
+        [True, True],
+        [False, False],
+        [a, c],
+        0,
+    )
     # a has 8 tokens in 2 full blocks: the token `decode` samples (position 8) opens a third, reserved now
     assert a.block_table[:2] == tables[a.seq_id] and len(a.block_table) == 3
-    assert c.block_table == tables[c.seq_id] and b.block_table == tables[b.seq_id]   # c's block has room
+    assert c.block_table == tables[c.seq_id] and b.block_table == tables[b.seq_id]  # c's block has room
     assert sched.block_manager.num_free_blocks == free - 1
     check_state(sched)
     finished = sched.postprocess(decode, runner.run(decode))
@@ -524,7 +586,7 @@ def test_plan_lookahead_runs_like_the_scheduled_step():
     ahead = plan_lookahead(sched, decode)
     sched.postprocess(decode, runner.run(decode))
     tables, free = {s.seq_id: list(s.block_table) for s in (a, c)}, sched.block_manager.num_free_blocks
-    scheduled = sched.schedule()                     # what the engine would run without planning ahead
+    scheduled = sched.schedule()  # what the engine would run without planning ahead
     assert scheduled.seqs == ahead.seqs and scheduled.num_new_tokens == ahead.num_new_tokens
     assert (scheduled.sample, scheduled.prefill) == (ahead.sample, ahead.prefill)
     assert sched.block_manager.num_free_blocks == free and all(s.block_table == tables[s.seq_id] for s in (a, c))
@@ -540,11 +602,11 @@ def test_plan_lookahead_refuses_when_it_cannot_plan_safely():
     sched.finish(c, "abort")
     free = sched.block_manager.num_free_blocks
     assert plan_lookahead(sched, decode) is None and sched.block_manager.num_free_blocks == free
-    sched.postprocess(decode, runner.run(decode))   # b finishes by length: a place for a prompt
+    sched.postprocess(decode, runner.run(decode))  # b finishes by length: a place for a prompt
     sched.add(make(sched, [1, 2, 3], max_tokens=2))
-    assert plan_lookahead(sched, sched.schedule()) is None   # that step admitted the prompt: not decode-only
+    assert plan_lookahead(sched, sched.schedule()) is None  # that step admitted the prompt: not decode-only
     # a prompt waits while there is room for it: the next step must be scheduled to admit it
-    for max_num_seqs, planned in [(4, False), (3, True)]:   # (with no room, waiting prompts do not matter)
+    for max_num_seqs, planned in [(4, False), (3, True)]:  # (with no room, waiting prompts do not matter)
         sched, runner, a, b, c = lookahead_scheduler(max_num_seqs)
         decode = sched.schedule()
         sched.add(make(sched, [4, 5], max_tokens=2))
@@ -556,7 +618,7 @@ def test_plan_lookahead_refuses_when_it_cannot_plan_safely():
         sched.add(s)
     runner = FakeRunner(sched)
     step = sched.schedule()
-    sched.postprocess(step, runner.run(step))       # 8 tokens each, 7 computed in 2 blocks: all 4 blocks used
+    sched.postprocess(step, runner.run(step))  # 8 tokens each, 7 computed in 2 blocks: all 4 blocks used
     decode = sched.schedule()
     assert decode.is_decode_only and sched.block_manager.num_free_blocks == 0
     assert plan_lookahead(sched, decode) is None
@@ -568,8 +630,9 @@ def test_plan_lookahead_refuses_when_it_cannot_plan_safely():
     sched.finish(c, "abort")
     assert plan_lookahead(sched, StepPlan.decode([b])) is None
     # the prefill_first policy never plans ahead
-    sched = Scheduler(num_blocks=16, block_size=4, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32,
-                      policy="prefill_first")
+    sched = Scheduler(
+        num_blocks=16, block_size=4, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32, policy="prefill_first"
+    )
     s = make(sched, range(5), max_tokens=5, ignore_eos=True)
     sched.add(s)
     step = sched.schedule()
@@ -589,18 +652,28 @@ def workloads(draw):
     chunked = draw(st.booleans())
     lowest = max(max_num_seqs, 1 if chunked else max_model_len)
     budget = draw(st.integers(lowest, lowest + 40))
-    config = dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=budget, max_model_len=max_model_len,
-                  eos_token_id=draw(st.sampled_from([None, 0, [0, 1]])), enable_chunked_prefill=chunked,
-                  enable_prefix_caching=draw(st.booleans()), policy=draw(st.sampled_from(POLICIES)))
+    config = dict(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        eos_token_id=draw(st.sampled_from([None, 0, [0, 1]])),
+        enable_chunked_prefill=chunked,
+        enable_prefix_caching=draw(st.booleans()),
+        policy=draw(st.sampled_from(POLICIES)),
+    )
     bases = [draw(st.lists(st.integers(2, VOCAB - 1), max_size=max_model_len)) for _ in range(2)]
     requests = []
     for _ in range(draw(st.integers(1, 8))):
         base = draw(st.sampled_from(bases))
-        prompt = base[:draw(st.integers(0, len(base)))] + draw(st.lists(st.integers(0, VOCAB - 1), max_size=8))
-        prompt = prompt[:max_model_len - 1] or [draw(st.integers(0, VOCAB - 1))]
-        params = dict(max_tokens=draw(st.one_of(st.none(), st.integers(1, 24))), ignore_eos=draw(st.booleans()),
-                      stop_token_ids=draw(st.lists(st.integers(2, VOCAB - 1), max_size=1)))
+        prompt = base[: draw(st.integers(0, len(base)))] + draw(st.lists(st.integers(0, VOCAB - 1), max_size=8))
+        prompt = prompt[: max_model_len - 1] or [draw(st.integers(0, VOCAB - 1))]
+        params = dict(
+            max_tokens=draw(st.one_of(st.none(), st.integers(1, 24))),
+            ignore_eos=draw(st.booleans()),
+            stop_token_ids=draw(st.lists(st.integers(2, VOCAB - 1), max_size=1)),
+        )
         requests.append((draw(st.integers(0, 12)), prompt, params, draw(st.one_of(st.none(), st.integers(0, 40)))))
     abort_some = draw(st.booleans())
     return config, requests, abort_some
@@ -623,10 +696,11 @@ def test_random_request_streams(case):
     for _, seq in arrivals:
         event(f"finish: {seq.finish_reason}, stop_reason set: {seq.stop_reason is not None}")
         assert seq.is_finished and seq.num_tokens <= sched.max_model_len
-        tokens, reason, stop_reason = reference(seq.prompt_token_ids, seq.sampling_params, sched.eos_token_ids,
-                                                sched.max_model_len)
+        tokens, reason, stop_reason = reference(
+            seq.prompt_token_ids, seq.sampling_params, sched.eos_token_ids, sched.max_model_len
+        )
         if seq.finish_reason == "abort":
-            assert seq.completion_token_ids == tokens[:len(seq.completion_token_ids)]
+            assert seq.completion_token_ids == tokens[: len(seq.completion_token_ids)]
         else:
             assert (seq.completion_token_ids, seq.finish_reason, seq.stop_reason) == (tokens, reason, stop_reason)
 
@@ -647,10 +721,11 @@ def test_random_request_streams_planned_ahead(case):
     event(f"planned ahead: {any(b.ahead_rows is not None for b in batches)}")
     for _, seq in arrivals:
         assert seq.is_finished and seq.num_tokens <= sched.max_model_len
-        tokens, reason, stop_reason = reference(seq.prompt_token_ids, seq.sampling_params, sched.eos_token_ids,
-                                                sched.max_model_len)
+        tokens, reason, stop_reason = reference(
+            seq.prompt_token_ids, seq.sampling_params, sched.eos_token_ids, sched.max_model_len
+        )
         if seq.finish_reason == "abort":
-            assert seq.completion_token_ids == tokens[:len(seq.completion_token_ids)]
+            assert seq.completion_token_ids == tokens[: len(seq.completion_token_ids)]
         else:
             assert (seq.completion_token_ids, seq.finish_reason, seq.stop_reason) == (tokens, reason, stop_reason)
 
@@ -662,11 +737,19 @@ def tight_workloads(draw):
     max_model_len = draw(st.integers(12, 40))
     num_blocks = math.ceil(max_model_len / block_size) + draw(st.integers(0, 3))
     shared = draw(st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=10))
-    prompts = [(shared + draw(st.lists(st.integers(0, VOCAB - 1), max_size=4)))[:max_model_len - 1]
-               for _ in range(draw(st.integers(2, 6)))]
-    return dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=draw(st.integers(2, 6)),
-                max_num_batched_tokens=draw(st.integers(6, 48)), max_model_len=max_model_len,
-                enable_prefix_caching=draw(st.booleans()), policy=draw(st.sampled_from(POLICIES))), prompts
+    prompts = [
+        (shared + draw(st.lists(st.integers(0, VOCAB - 1), max_size=4)))[: max_model_len - 1]
+        for _ in range(draw(st.integers(2, 6)))
+    ]
+    return dict(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=draw(st.integers(2, 6)),
+        max_num_batched_tokens=draw(st.integers(6, 48)),
+        max_model_len=max_model_len,
+        enable_prefix_caching=draw(st.booleans()),
+        policy=draw(st.sampled_from(POLICIES)),
+    ), prompts
 
 
 @settings(max_examples=200, deadline=None)
@@ -674,7 +757,7 @@ def tight_workloads(draw):
 def test_tight_caches_preempt_without_changing_outputs(case):
     config, prompts = case
     sched = Scheduler(**config)
-    seqs = [make(sched, p, max_tokens=None, ignore_eos=True) for p in prompts]   # all grow to max_model_len
+    seqs = [make(sched, p, max_tokens=None, ignore_eos=True) for p in prompts]  # all grow to max_model_len
     drive(sched, [(0, s) for s in seqs])
     event(f"preempted: {sched.num_preemptions > 0}")
     event(f"prefix-cache hits: {sched.block_manager.prefix_cache_hits > 0}")

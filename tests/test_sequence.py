@@ -1,4 +1,5 @@
 """Sequence: token bookkeeping and the block arithmetic every later component relies on."""
+
 import pytest
 
 from minivllm.engine.sequence import Sequence, SequenceStatus
@@ -24,9 +25,17 @@ def test_ids_are_unique_and_prompt_is_copied():
     assert prompt == [1, 2] and b.token_ids == [1, 2]
 
 
-@pytest.mark.parametrize("n, bs, blocks, full, last", [
-    (1, 4, 1, 0, 1), (4, 4, 1, 1, 4), (5, 4, 2, 1, 1), (16, 16, 1, 1, 16), (17, 16, 2, 1, 1), (50, 16, 4, 3, 2),
-])
+@pytest.mark.parametrize(
+    "n, bs, blocks, full, last",
+    [
+        (1, 4, 1, 0, 1),
+        (4, 4, 1, 1, 4),
+        (5, 4, 2, 1, 1),
+        (16, 16, 1, 1, 16),
+        (17, 16, 2, 1, 1),
+        (50, 16, 4, 3, 2),
+    ],
+)
 def test_block_arithmetic(n, bs, blocks, full, last):
     seq = Sequence(list(range(n)), block_size=bs)
     assert (seq.num_blocks, seq.num_full_blocks, seq.last_block_num_tokens) == (blocks, full, last)
@@ -49,7 +58,7 @@ def test_append_opens_a_block_exactly_when_the_last_is_full():
 def test_seq_id_and_arrival_time_can_be_given():
     seq = Sequence([1, 2], seq_id=7, arrival_time=1.5)
     assert (seq.seq_id, seq.arrival_time) == (7, 1.5)
-    assert Sequence([1], seq_id=0).seq_id == 0          # an engine numbers its sequences from 0
+    assert Sequence([1], seq_id=0).seq_id == 0  # an engine numbers its sequences from 0
     assert Sequence([1]).arrival_time is not None
 
 

@@ -16,6 +16,7 @@ The contract tested here, on the embedded tiny Qwen3 on a CPU:
 One server (AsyncLLM + uvicorn in a thread) serves the whole module; the offline references are computed once.
 Everything that could hang has a time cap.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,22 +36,25 @@ import psutil
 import pytest
 import torch
 import uvicorn
+from _net import free_port, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from _net import free_port, wait_for
-from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
+from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
 from minivllm.entrypoints.api_server import build_app
 from minivllm.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from minivllm.sampling_params import RequestOutputKind
 
 API_KEY = "test-key"
 MODEL = "tiny"
-PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\ndef main():\n",
-           "class Stack:\n    def __init__(self):"]
+PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "class Stack:\n    def __init__(self):",
+]
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 MESSAGES = [{"role": "user", "content": "Write a function that reverses a list."}]
 NO_THINKING = {"enable_thinking": False}
-STREAM_PROMPTS = [f"def helper_{i}(items, key={i}):\n    " for i in range(64)]   # distinct prompts, one per client
+STREAM_PROMPTS = [f"def helper_{i}(items, key={i}):\n    " for i in range(64)]  # distinct prompts, one per client
 STREAM_TOKENS = 24
 STREAM_GREEDY = SamplingParams(temperature=0, max_tokens=STREAM_TOKENS, ignore_eos=True)
 
@@ -61,17 +65,23 @@ STREAM_GREEDY = SamplingParams(temperature=0, max_tokens=STREAM_TOKENS, ignore_e
 def engine_idle(llm: AsyncLLM) -> bool:
     "No request in the engine or awaited, every KV block free (aborts are applied by the engine thread: poll this)."
     bm = llm.engine.scheduler.block_manager
-    return (not llm.engine.requests and not llm.streams and not llm.engine.has_unfinished_requests()
-            and bm.num_free_blocks == bm.num_blocks)
+    return (
+        not llm.engine.requests
+        and not llm.streams
+        and not llm.engine.has_unfinished_requests()
+        and bm.num_free_blocks == bm.num_blocks
+    )
 
 
 def wait_idle(llm: AsyncLLM, timeout: float = 30.0) -> None:
     try:
         wait_for(lambda: engine_idle(llm), timeout, "the engine to drop every request and free every KV block")
-    except AssertionError as e:   # (what is left, as it is now)
+    except AssertionError as e:  # (what is left, as it is now)
         bm = llm.engine.scheduler.block_manager
-        left = (f"requests {sorted(llm.engine.requests.copy())}, streams {sorted(llm.streams.copy())}, "
-                f"free blocks {bm.num_free_blocks}/{bm.num_blocks}")
+        left = (
+            f"requests {sorted(llm.engine.requests.copy())}, streams {sorted(llm.streams.copy())}, "
+            f"free blocks {bm.num_free_blocks}/{bm.num_blocks}"
+        )
         raise AssertionError(f"{e}: {left}") from None
 
 
@@ -97,7 +107,7 @@ def serving(llm: AsyncLLM, **app_kwargs):
     finally:
         server.should_exit = True
         thread.join(30)
-        llm.step_hooks.remove(app.state.metrics.record)   # (this app's metrics no longer follow the shared engine)
+        llm.step_hooks.remove(app.state.metrics.record)  # (this app's metrics no longer follow the shared engine)
         assert not thread.is_alive(), "uvicorn did not stop within 30 s"
 
 
@@ -162,7 +172,7 @@ def limited(server):
 def client(server):
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
         yield client
-    wait_idle(server.llm)   # every test leaves the engine empty
+    wait_idle(server.llm)  # every test leaves the engine empty
 
 
 @pytest.fixture
@@ -204,8 +214,9 @@ def test_list_of_prompts_matches_offline_greedy_in_order(client, reference):
 @pytest.mark.timeout(60)
 def test_chat_matches_offline_chat(client, reference):
     ref = reference["chat"]
-    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
-                                         extra_body={"chat_template_kwargs": NO_THINKING})
+    out = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0, extra_body={"chat_template_kwargs": NO_THINKING}
+    )
     assert out.object == "chat.completion" and len(out.choices) == 1
     message = out.choices[0].message
     assert message.role == "assistant" and message.content == ref.text
@@ -216,8 +227,16 @@ def test_chat_matches_offline_chat(client, reference):
 @pytest.mark.timeout(60)
 def test_streamed_completion_joins_to_the_greedy_text(client, reference):
     ref = reference["prompts"][1]
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[1],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     *content, last = chunks
     assert len(content) >= 2 and all(len(c.choices) == 1 and c.choices[0].index == 0 for c in content)
     assert "".join(c.choices[0].text for c in content) == ref.text
@@ -230,9 +249,17 @@ def test_streamed_completion_joins_to_the_greedy_text(client, reference):
 @pytest.mark.timeout(60)
 def test_streamed_chat_joins_to_the_greedy_text(client, reference):
     ref = reference["chat"]
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"chat_template_kwargs": NO_THINKING}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"chat_template_kwargs": NO_THINKING},
+        )
+    )
     *content, last = chunks
     assert content[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in content) == ref.text
@@ -243,8 +270,7 @@ def test_streamed_chat_joins_to_the_greedy_text(client, reference):
 
 @pytest.mark.timeout(60)
 def test_stream_without_usage_ends_with_the_last_token(client, reference):
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0,
-                                            stream=True))
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0, stream=True))
     assert all(c.usage is None and len(c.choices) == 1 for c in chunks)
     assert "".join(c.choices[0].text for c in chunks) == reference["prompts"][2].text
 
@@ -252,26 +278,37 @@ def test_stream_without_usage_ends_with_the_last_token(client, reference):
 @pytest.mark.timeout(60)
 def test_n2_gives_two_choices_reproducible_with_a_seed(client):
     def sample():
-        out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=2,
-                                        seed=1234)
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=2, seed=1234)
         assert sorted(c.index for c in out.choices) == [0, 1]
         assert all(c.finish_reason for c in out.choices)
         return {c.index: c.text for c in out.choices}
+
     first = sample()
     assert sample() == first
-    chat = [client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, n=2,
-                                           seed=99, extra_body={"chat_template_kwargs": NO_THINKING})
-            for _ in range(2)]
+    chat = [
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=8,
+            temperature=1.0,
+            n=2,
+            seed=99,
+            extra_body={"chat_template_kwargs": NO_THINKING},
+        )
+        for _ in range(2)
+    ]
     assert [sorted(c.index for c in out.choices) for out in chat] == [[0, 1], [0, 1]]
-    assert ({c.index: c.message.content for c in chat[0].choices}
-            == {c.index: c.message.content for c in chat[1].choices})
+    assert {c.index: c.message.content for c in chat[0].choices} == {
+        c.index: c.message.content for c in chat[1].choices
+    }
 
 
 @pytest.mark.timeout(60)
 def test_n2_streamed_gives_every_token_of_both_choices(client):
     "Both samples usually finish in the same step: the stream must still carry each one's last token."
-    args = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=2, seed=1234,
-                extra_body={"ignore_eos": True})
+    args = dict(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=2, seed=1234, extra_body={"ignore_eos": True}
+    )
     whole = {c.index: c.text for c in client.completions.create(**args).choices}
     chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
     streamed = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)}
@@ -285,21 +322,27 @@ def test_completion_logprobs(client, reference):
     out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=2)
     choice = out.choices[0]
     lp = choice.logprobs
-    assert choice.text == reference["prompts"][0].text   # asking for logprobs changes no token
+    assert choice.text == reference["prompts"][0].text  # asking for logprobs changes no token
     assert "".join(lp.tokens) == choice.text
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(reference["prompts"][0].token_ids)
     assert all(x <= 0 for x in lp.token_logprobs)
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert 1 <= len(top) <= 3 and all(v <= 0 for v in top.values())
-        assert top[token] == logprob == max(top.values())   # greedy: the chosen token is the most likely one
+        assert top[token] == logprob == max(top.values())  # greedy: the chosen token is the most likely one
     assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
 
 
 @pytest.mark.timeout(60)
 def test_chat_logprobs(client, reference):
-    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
-                                         logprobs=True, top_logprobs=2,
-                                         extra_body={"chat_template_kwargs": NO_THINKING})
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"chat_template_kwargs": NO_THINKING},
+    )
     choice = out.choices[0]
     content = choice.logprobs.content
     assert choice.message.content == reference["chat"].text
@@ -308,22 +351,28 @@ def test_chat_logprobs(client, reference):
     for t in content:
         assert t.logprob <= 0 and t.bytes == list(t.token.encode())
         assert 1 <= len(t.top_logprobs) <= 2 and all(x.logprob <= 0 for x in t.top_logprobs)
-        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob   # greedy: rank 1
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob  # greedy: rank 1
         assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
 
 
 # ------------------------------------------------------------------------------------------------------ concurrency
 async def stream_one(http: httpx.AsyncClient, i: int, hang_up: bool) -> list:
     "Client i's stream: its events, or (hanging up after its first 2 chunks) the ones it read before closing."
-    body = {"model": MODEL, "prompt": STREAM_PROMPTS[i], "temperature": 0, "stream": True, "ignore_eos": True,
-            "max_tokens": 1000 if hang_up else STREAM_TOKENS}   # (a client that hangs up would be served long)
+    body = {
+        "model": MODEL,
+        "prompt": STREAM_PROMPTS[i],
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "max_tokens": 1000 if hang_up else STREAM_TOKENS,
+    }  # (a client that hangs up would be served long)
     lines = []
     async with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             lines.append(line)
             if hang_up and len(sse_events(lines)) == 2:
-                break   # leaving the block closes the connection half-way through the stream
+                break  # leaving the block closes the connection half-way through the stream
     return sse_events(lines)
 
 
@@ -333,9 +382,11 @@ def test_64_concurrent_streams_with_disconnects(server, reference):
 
     async def main():
         limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
-        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"},
-                                     timeout=60, limits=limits) as http:
+        async with httpx.AsyncClient(
+            base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60, limits=limits
+        ) as http:
             return await asyncio.gather(*(stream_one(http, i, i in hang_ups) for i in range(64)))
+
     generated = server.llm.engine.stats.num_generated_tokens
     results = asyncio.run(main())
     for i, events in enumerate(results):
@@ -349,7 +400,7 @@ def test_64_concurrent_streams_with_disconnects(server, reference):
     wait_idle(server.llm)
     generated = server.llm.engine.stats.num_generated_tokens - generated
     served = (64 - len(hang_ups)) * STREAM_TOKENS
-    assert served < generated < served + len(hang_ups) * 1000 // 4   # the hung-up requests were aborted early
+    assert served < generated < served + len(hang_ups) * 1000 // 4  # the hung-up requests were aborted early
 
 
 @pytest.mark.timeout(60)
@@ -367,44 +418,55 @@ def test_client_that_gives_up_on_a_plain_request_aborts_it(server):
 # ----------------------------------------------------------------------------------------------------------- errors
 @pytest.mark.timeout(60)
 def test_invalid_json_is_400(http):
-    response = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": ',
-                         headers={"Content-Type": "application/json"})
+    response = http.post(
+        "/v1/completions", content=b'{"model": "tiny", "prompt": ', headers={"Content-Type": "application/json"}
+    )
     assert "JSON" in assert_error(response, 400)["message"]
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("route,extra,field", [
-    ("/v1/completions", {"tools": [{"type": "function"}]}, "tools"),   # (refused by name: structured output)
-    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
-    ("/v1/completions", {"max_tokens": -1}, "max_tokens"),
-    ("/v1/completions", {"temperature": -1}, "temperature"),
-    ("/v1/chat/completions", {"temperature": -1}, "temperature"),
-    ("/v1/completions", {"logprobs": -1}, "logprobs"),
-    ("/v1/chat/completions", {"top_logprobs": 2}, "logprobs"),   # top_logprobs without logprobs=true
-    ("/v1/completions", {"prompt": None}, "prompt"),
-    ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"logprobs": 21}, "logprobs"),
-    ("/v1/completions", {"n": 10**12}, "SamplingParams.n"),   # (queueing a sample at a time would never end)
-    ("/v1/completions", {"n": 1025}, "n=1025"),             # more than the server's queue: a retry cannot help
-    ("/v1/chat/completions", {"n": 1025}, "n=1025"),
-    ("/v1/completions", {"n": 2, "seed": 2**64 - 1, "stream": True}, "seed"),   # a 400, not an error event in a 200
-    ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),   # (0 is not "unset")
-    ("/v1/chat/completions", {"max_completion_tokens": 2, "max_tokens": -5}, "max_tokens"),
-    ("/v1/completions", {"logit_bias": {"5": 1e308}}, "logit_bias"),   # OpenAI's range: [-100, 100]
-    ("/v1/chat/completions", {"chat_template_kwargs": {"chat_template": "{% for i in range(10**9) %}{% endfor %}"}},
-     "chat_template"),   # a request's own template would run on the event loop
-])
+@pytest.mark.parametrize(
+    "route,extra,field",
+    [
+        ("/v1/completions", {"tools": [{"type": "function"}]}, "tools"),  # (refused by name: structured output)
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+        ("/v1/completions", {"max_tokens": -1}, "max_tokens"),
+        ("/v1/completions", {"temperature": -1}, "temperature"),
+        ("/v1/chat/completions", {"temperature": -1}, "temperature"),
+        ("/v1/completions", {"logprobs": -1}, "logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "logprobs"),  # top_logprobs without logprobs=true
+        ("/v1/completions", {"prompt": None}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"n": 10**12}, "SamplingParams.n"),  # (queueing a sample at a time would never end)
+        ("/v1/completions", {"n": 1025}, "n=1025"),  # more than the server's queue: a retry cannot help
+        ("/v1/chat/completions", {"n": 1025}, "n=1025"),
+        ("/v1/completions", {"n": 2, "seed": 2**64 - 1, "stream": True}, "seed"),  # a 400, not an error event in a 200
+        ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),  # (0 is not "unset")
+        ("/v1/chat/completions", {"max_completion_tokens": 2, "max_tokens": -5}, "max_tokens"),
+        ("/v1/completions", {"logit_bias": {"5": 1e308}}, "logit_bias"),  # OpenAI's range: [-100, 100]
+        (
+            "/v1/chat/completions",
+            {"chat_template_kwargs": {"chat_template": "{% for i in range(10**9) %}{% endfor %}"}},
+            "chat_template",
+        ),  # a request's own template would run on the event loop
+    ],
+)
 def test_invalid_request_is_400_naming_the_field(http, server, route, extra, field):
     base = {"model": MODEL, "prompt": "x"} if route == "/v1/completions" else {"model": MODEL, "messages": MESSAGES}
     response = http.post(route, json=base | extra)
     assert field in assert_error(response, 400)["message"]
-    assert engine_idle(server.llm)   # nothing was queued
+    assert engine_idle(server.llm)  # nothing was queued
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("route,body", [
-    ("/v1/completions", '{"model": "tiny", "prompt": "a\\ud800"}'),
-    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}')])
+@pytest.mark.parametrize(
+    "route,body",
+    [
+        ("/v1/completions", '{"model": "tiny", "prompt": "a\\ud800"}'),
+        ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}'),
+    ],
+)
 def test_text_with_a_lone_surrogate_is_400(http, server, route, body):
     "Valid JSON (an escaped lone surrogate), but not Unicode text: the tokenizer's own error named neither."
     response = http.post(route, content=body, headers={"content-type": "application/json"})
@@ -415,15 +477,15 @@ def test_text_with_a_lone_surrogate_is_400(http, server, route, body):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("stream", [False, True])
 def test_prompt_longer_than_max_model_len_is_400(http, server, stream):
-    too_long = list(range(1, server.llm.engine.config.max_model_len + 2))   # token ids: no tokenizer guesswork
+    too_long = list(range(1, server.llm.engine.config.max_model_len + 2))  # token ids: no tokenizer guesswork
     response = http.post("/v1/completions", json={"model": MODEL, "prompt": too_long, "stream": stream})
     assert "max_model_len" in assert_error(response, 400)["message"]
-    response = http.post("/v1/completions", json={"model": MODEL, "prompt": ["x", too_long]})   # one bad prompt
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": ["x", too_long]})  # one bad prompt
     assert_error(response, 400)
     long_message = [{"role": "user", "content": " ".join(["word"] * server.llm.engine.config.max_model_len)}]
     response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": long_message, "stream": stream})
     assert "max_model_len" in assert_error(response, 400)["message"]
-    wait_idle(server.llm)   # the good prompt queued before the bad one was aborted
+    wait_idle(server.llm)  # the good prompt queued before the bad one was aborted
 
 
 @pytest.mark.timeout(60)
@@ -441,8 +503,9 @@ def test_openai_client_raises_the_matching_errors(client):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
     with pytest.raises(openai.BadRequestError, match="tools"):
-        client.chat.completions.create(model=MODEL, messages=MESSAGES,
-                                       extra_body={"tools": [{"type": "function", "function": {"name": "f"}}]})
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, extra_body={"tools": [{"type": "function", "function": {"name": "f"}}]}
+        )
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x")
 
@@ -451,28 +514,34 @@ def test_openai_client_raises_the_matching_errors(client):
 def test_body_over_the_cap_is_413(limited):
     with httpx.Client(base_url=limited.url, timeout=60) as http:
         big = {"model": MODEL, "prompt": "x" * 5000}
-        assert_error(http.post("/v1/completions", json=big), 413)   # Content-Length says so
+        assert_error(http.post("/v1/completions", json=big), 413)  # Content-Length says so
         data = json.dumps(big).encode()
-        chunked = http.post("/v1/completions", content=iter([data[i:i + 500] for i in range(0, len(data), 500)]),
-                            headers={"Content-Type": "application/json"})
+        chunked = http.post(
+            "/v1/completions",
+            content=iter([data[i : i + 500] for i in range(0, len(data), 500)]),
+            headers={"Content-Type": "application/json"},
+        )
         assert chunked.request.headers.get("transfer-encoding") == "chunked"
         assert "content-length" not in chunked.request.headers
-        assert_error(chunked, 413)   # counted as it arrives
+        assert_error(chunked, 413)  # counted as it arrives
         small = json.dumps({"model": MODEL, "prompt": "x"}).encode()
-        chunked = http.post("/v1/completions", content=iter([small[:10], small[10:]]),
-                            headers={"Content-Type": "application/json"})
-        assert_error(chunked, 503)   # a small chunked body passes the cap (and meets the full queue)
+        chunked = http.post(
+            "/v1/completions", content=iter([small[:10], small[10:]]), headers={"Content-Type": "application/json"}
+        )
+        assert_error(chunked, 503)  # a small chunked body passes the cap (and meets the full queue)
 
 
 @pytest.mark.timeout(60)
 def test_no_room_in_the_queue_is_503_with_retry_after(limited):
     with httpx.Client(base_url=limited.url, timeout=60) as http:
-        for route, body in (("/v1/completions", {"model": MODEL, "prompt": "x"}),
-                            ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES})):
+        for route, body in (
+            ("/v1/completions", {"model": MODEL, "prompt": "x"}),
+            ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}),
+        ):
             response = http.post(route, json=body)
             assert_error(response, 503)
             assert int(response.headers["retry-after"]) >= 1
-        assert http.get("/health").status_code == 200   # only new work is refused
+        assert http.get("/health").status_code == 200  # only new work is refused
     assert engine_idle(limited.llm)
 
 
@@ -482,8 +551,9 @@ def test_api_key_is_enforced(server):
         for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": API_KEY}):
             assert_error(http.get("/v1/models", headers=headers), 401)
             assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}, headers=headers), 401)
-            assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES},
-                                   headers=headers), 401)
+            assert_error(
+                http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES}, headers=headers), 401
+            )
         assert http.get("/health").status_code == 200 and http.get("/health").json() == {"status": "ok"}
         assert http.get("/metrics").status_code == 200
     wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong-key", max_retries=0, timeout=60)
@@ -496,29 +566,47 @@ def scrape(url: str) -> dict[str, float]:
     "Every sample of /metrics (no key needed) by name; a histogram's buckets are left out."
     response = httpx.get(f"{url}/metrics", timeout=60)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    return {s.name: s.value for family in text_string_to_metric_families(response.text) for s in family.samples
-            if not s.name.endswith("_bucket")}
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+        if not s.name.endswith("_bucket")
+    }
 
 
 @pytest.mark.timeout(60)
 def test_metrics_are_prometheus_text_and_count_requests(client, server):
-    names = ("minivllm:num_requests_running", "minivllm:num_requests_waiting", "minivllm:kv_cache_usage_perc",
-             "minivllm:prompt_tokens_total", "minivllm:generation_tokens_total",
-             "minivllm:time_to_first_token_seconds_count", "minivllm:inter_token_latency_seconds_count",
-             "minivllm:time_to_first_token_seconds_sum", "minivllm:inter_token_latency_seconds_sum")
+    names = (
+        "minivllm:num_requests_running",
+        "minivllm:num_requests_waiting",
+        "minivllm:kv_cache_usage_perc",
+        "minivllm:prompt_tokens_total",
+        "minivllm:generation_tokens_total",
+        "minivllm:time_to_first_token_seconds_count",
+        "minivllm:inter_token_latency_seconds_count",
+        "minivllm:time_to_first_token_seconds_sum",
+        "minivllm:inter_token_latency_seconds_sum",
+    )
     before = scrape(server.url)
     assert set(names) <= before.keys(), sorted(set(names) - before.keys())
-    out = client.completions.create(model=MODEL, prompt="def metrics_probe(x):", max_tokens=8, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL, prompt="def metrics_probe(x):", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     tokens = out.usage.completion_tokens
     assert tokens == 8
 
-    def grown():   # (the engine thread records a step after handing its outputs on: poll)
+    def grown():  # (the engine thread records a step after handing its outputs on: poll)
         now = scrape(server.url)
-        return now if (now["minivllm:time_to_first_token_seconds_count"] >
-                       before["minivllm:time_to_first_token_seconds_count"] and
-                       now["minivllm:inter_token_latency_seconds_count"] >=
-                       before["minivllm:inter_token_latency_seconds_count"] + tokens - 1) else None
+        return (
+            now
+            if (
+                now["minivllm:time_to_first_token_seconds_count"] > before["minivllm:time_to_first_token_seconds_count"]
+                and now["minivllm:inter_token_latency_seconds_count"]
+                >= before["minivllm:inter_token_latency_seconds_count"] + tokens - 1
+            )
+            else None
+        )
+
     after = wait_for(grown, 30, "the latency histograms to count the request")
     growth = {name: after[name] - before[name] for name in names}
     assert growth["minivllm:time_to_first_token_seconds_count"] == 1
@@ -547,7 +635,7 @@ def test_async_cumulative_outputs_grow_to_the_final_text(server, reference):
     ids = [o.outputs[0].token_ids for o in outs]
     assert len(outs) > 1 and [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
-    assert all(len(b) > len(a) and b[:len(a)] == a for a, b in zip(ids, ids[1:]))
+    assert all(len(b) > len(a) and b[: len(a)] == a for a, b in zip(ids, ids[1:]))
     assert texts[-1] == ref.text and ids[-1] == ref.token_ids
     assert outs[-1].outputs[0].finish_reason == ref.finish_reason
     wait_idle(server.llm)
@@ -583,14 +671,16 @@ def test_cancelling_the_awaiting_task_aborts_the_request(server):
         async def consume():
             async for _ in llm.generate("def forever():\n", params, "cancel-me"):
                 started.set()
+
         task = asyncio.create_task(consume())
         await asyncio.wait_for(started.wait(), 30)
         assert "cancel-me" in llm.engine.requests
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
     asyncio.run(main())
-    wait_idle(llm)   # aborted, not run out to 1500 tokens
+    wait_idle(llm)  # aborted, not run out to 1500 tokens
     assert llm.is_running
 
 
@@ -603,10 +693,11 @@ def test_leaving_a_loop_with_break_aborts_the_request(server):
     async def main():
         async for _ in llm.generate("def forever():\n", params, "brk"):
             break
-        again = [out async for out in llm.generate("def f():", SamplingParams(max_tokens=2), "brk")]   # free at once
+        again = [out async for out in llm.generate("def f():", SamplingParams(max_tokens=2), "brk")]  # free at once
         assert again[-1].finished and again[-1].outputs[0].finish_reason in ("length", "stop")
+
     asyncio.run(main())
-    wait_idle(llm)   # aborted, not run out to 1500 tokens
+    wait_idle(llm)  # aborted, not run out to 1500 tokens
 
 
 @pytest.mark.timeout(90)
@@ -619,13 +710,14 @@ def test_a_dropped_stream_goes_at_once_while_the_engine_steps(server):
     async def main():
         for _ in range(20):
             stream = llm.generate("def forever():\n", params, "drop")
-            async for _ in stream:   # outputs are flowing: the engine thread is stepping and handing them over
+            async for _ in stream:  # outputs are flowing: the engine thread is stepping and handing them over
                 break
             gone = weakref.ref(stream)
             del stream
             assert gone() is None and "drop" not in llm.streams
+
     asyncio.run(main())
-    wait_idle(llm)   # every one aborted, not run out to 1500 tokens
+    wait_idle(llm)  # every one aborted, not run out to 1500 tokens
 
 
 @pytest.mark.timeout(90)
@@ -640,34 +732,44 @@ def test_an_abort_reaches_only_the_request_it_was_meant_for(server):
 
     async def main():
         first = await last(llm.generate("def f():", short, "again"))
-        await llm.abort("again")   # it has ended: nothing
+        await llm.abort("again")  # it has ended: nothing
         second = await last(llm.generate("def f():", short, "again"))
         assert second.outputs[0].finish_reason == "length" and second.outputs[0].token_ids == first.outputs[0].token_ids
         gone = llm.generate("def g():", long, "retry")
         await gone.__anext__()
-        await gone.aclose()   # a client that gives up and retries at once
+        await gone.aclose()  # a client that gives up and retries at once
         retry = await last(llm.generate("def g():", short, "retry"))
         assert retry.outputs[0].finish_reason == "length" and len(retry.outputs[0].token_ids) == 8
-        two = llm.generate("def h():", SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=500, ignore_eos=True,
-                                                      output_kind=kinds.CUMULATIVE), "n2")
+        two = llm.generate(
+            "def h():",
+            SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=500, ignore_eos=True, output_kind=kinds.CUMULATIVE),
+            "n2",
+        )
         await two.__anext__()
         await llm.abort("n2")
         out = await last(two)
         assert [(c.index, c.finish_reason) for c in out.outputs] == [(0, "abort"), (1, "abort")]
         assert out.prompt_token_ids == llm.tokenizer.encode("def h():") and all(c.token_ids for c in out.outputs)
-        done = llm.generate("def k():", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
-                                                       output_kind=kinds.FINAL_ONLY), "done")
-        await asyncio.wait_for(done.ready.wait(), 30)   # its final output has arrived, unread
-        await llm.abort("done")   # finished, not read yet: its output stands
+        done = llm.generate(
+            "def k():",
+            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, output_kind=kinds.FINAL_ONLY),
+            "done",
+        )
+        await asyncio.wait_for(done.ready.wait(), 30)  # its final output has arrived, unread
+        await llm.abort("done")  # finished, not read yet: its output stands
         assert (await last(done)).outputs[0].finish_reason == "length"
-        x = llm.generate("def f():", SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=30, ignore_eos=True,
-                                                    output_kind=kinds.DELTA), "x")
+        x = llm.generate(
+            "def f():",
+            SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=30, ignore_eos=True, output_kind=kinds.DELTA),
+            "x",
+        )
         await x.__anext__()
-        with pytest.raises(ValueError, match="already in use"):   # a sample of x runs as '0_x'
+        with pytest.raises(ValueError, match="already in use"):  # a sample of x runs as '0_x'
             await last(llm.generate("def g():", short, "0_x"))
-        await llm.abort("0_x")   # not a request of this front end: nothing
+        await llm.abort("0_x")  # not a request of this front end: nothing
         ended = {c.index: c.finish_reason for o in [out async for out in x] for c in o.outputs if c.finish_reason}
         assert ended == {0: "length", 1: "length"}
+
     asyncio.run(main())
     wait_idle(llm)
 
@@ -681,7 +783,7 @@ def test_bad_request_raises_at_generate(server):
         with pytest.raises(ValueError, match="stop_token_ids"):
             llm.generate("x", SamplingParams(stop_token_ids=[vocab]))
         changed = SamplingParams()
-        changed.temperature = -1.0   # (made valid, then spoilt: the engine checks again)
+        changed.temperature = -1.0  # (made valid, then spoilt: the engine checks again)
         with pytest.raises(ValueError, match="temperature"):
             llm.generate("x", changed)
         with pytest.raises(ValueError):
@@ -693,6 +795,7 @@ def test_bad_request_raises_at_generate(server):
         with pytest.raises(ValueError, match="already in use"):
             llm.generate("y", SamplingParams(), "taken")
         await stream.aclose()
+
     asyncio.run(main())
     wait_idle(llm)
 
@@ -703,17 +806,20 @@ def test_engine_step_error_reaches_every_request_as_engine_dead(monkeypatch):
     gate = threading.Event()
 
     def broken_step():
-        gate.wait(30)   # every request is queued before the step fails
+        gate.wait(30)  # every request is queued before the step fails
         raise RuntimeError("boom in step")
+
     monkeypatch.setattr(llm.engine, "step", broken_step)
 
     async def main():
         transport = httpx.ASGITransport(app=build_app(llm, MODEL))
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
             streams = [llm.generate(f"prompt {i}", SamplingParams(max_tokens=8)) for i in range(3)]
-            posts = [asyncio.create_task(http.post("/v1/completions", json={"prompt": "x", "stream": stream}))
-                     for stream in (False, True)]
-            for _ in range(300):   # the two HTTP requests are in the engine's hands too
+            posts = [
+                asyncio.create_task(http.post("/v1/completions", json={"prompt": "x", "stream": stream}))
+                for stream in (False, True)
+            ]
+            for _ in range(300):  # the two HTTP requests are in the engine's hands too
                 if len(llm.streams) == 5:
                     break
                 await asyncio.sleep(0.01)
@@ -724,13 +830,14 @@ def test_engine_step_error_reaches_every_request_as_engine_dead(monkeypatch):
                     await asyncio.wait_for(collect_stream(stream), 30)
             plain, streamed = await asyncio.wait_for(asyncio.gather(*posts), 30)
             assert "boom in step" in assert_error(plain, 503)["message"]
-            events = sse_events(streamed.text.splitlines())   # a stream already under way: an error event
+            events = sse_events(streamed.text.splitlines())  # a stream already under way: an error event
             assert events[-1] == "[DONE]" and "boom in step" in events[-2]["error"]["message"]
             with pytest.raises(EngineDeadError):
                 llm.generate("after", SamplingParams(max_tokens=8))
             assert not llm.is_running and isinstance(llm.error, RuntimeError) and not llm.streams
-            assert (await http.get("/health")).status_code == 503   # the server says so too
+            assert (await http.get("/health")).status_code == 503  # the server says so too
             assert_error(await http.post("/v1/completions", json={"prompt": "x"}), 503)
+
     try:
         asyncio.run(main())
     finally:
@@ -748,31 +855,57 @@ def test_serve_stops_on_sigterm_and_leaves_no_process(tmp_path, reference):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "minivllm", "serve", TINY_MODEL_PATH, "--device", "cpu",
-                             "--port", str(port), "--api-key", "cli-key", "--served-model-name", MODEL,
-                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "minivllm",
+            "serve",
+            TINY_MODEL_PATH,
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            "--api-key",
+            "cli-key",
+            "--served-model-name",
+            MODEL,
+            "--log-level",
+            "warning",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
     headers = {"Authorization": "Bearer cli-key"}
 
     def healthy():
         assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{read(log)}"
         with contextlib.suppress(httpx.TransportError):
             return httpx.get(f"{url}/health", timeout=5).status_code == 200
+
     try:
         wait_for(healthy, 90, "GET /health to answer 200", interval=0.25)
         with httpx.Client(base_url=url, timeout=60) as http:
             assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
-            out = http.post("/v1/completions", headers=headers,
-                            json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0})
+            out = http.post(
+                "/v1/completions",
+                headers=headers,
+                json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0},
+            )
             assert out.status_code == 200 and out.json()["choices"][0]["text"] == reference["prompts"][0].text
             family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-            with http.stream("POST", "/v1/completions", headers=headers,   # a stream still open at SIGTERM
-                             json={"model": MODEL, "prompt": "x", "max_tokens": 1500, "ignore_eos": True,
-                                   "stream": True}) as stream:
+            with http.stream(
+                "POST",
+                "/v1/completions",
+                headers=headers,  # a stream still open at SIGTERM
+                json={"model": MODEL, "prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True},
+            ) as stream:
                 lines = stream.iter_lines()
                 next(lines)
                 proc.send_signal(signal.SIGTERM)
-                rest = "\n".join(lines)   # the engine stops first: the stream ends with its error
+                rest = "\n".join(lines)  # the engine stops first: the stream ends with its error
                 code = proc.wait(timeout=30)
         # the engine stopped first: the stream got its error event (uvicorn's graceful timeout would have cancelled it
         # with tracebacks in the log), however long a busy machine took to get there
@@ -783,7 +916,7 @@ def test_serve_stops_on_sigterm_and_leaves_no_process(tmp_path, reference):
         gone, alive = psutil.wait_procs(family, timeout=10)
         assert not alive, f"left behind: {alive}"
         with pytest.raises(ProcessLookupError):
-            os.killpg(proc.pid, 0)   # nothing at all is left in its process group
+            os.killpg(proc.pid, 0)  # nothing at all is left in its process group
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/health", timeout=5)
     finally:

@@ -19,6 +19,7 @@ CPU):
 - /tokenize, /detokenize, /version, GET /v1/models/{id};
 - a max_tokens that cannot fit beside the prompt is a 400 naming both numbers; offline `LLM` still stops at the limit.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,13 +27,21 @@ import logging
 import httpx
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
-
 from _net import wait_for
-from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
+from prometheus_client.parser import text_string_to_metric_families
+from test_serving import (
+    API_KEY,
+    MODEL,
+    assert_error,
+    engine_idle,
+    one_torch_thread,
+    serving,  # noqa: F401
+    sse_events,
+    wait_idle,
+)  # (one_torch_thread: the same autouse fixture here)
+
+from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
 from minivllm.entrypoints.async_llm import AsyncLLM
-from test_serving import (API_KEY, MODEL, assert_error, engine_idle, one_torch_thread, serving,  # noqa: F401
-                          sse_events, wait_idle)   # (one_torch_thread: the same autouse fixture here)
 
 # A local multiple-choice task (lm-eval's `multiple_choice` output type): context, choices, the gold answer.
 QUESTIONS = [
@@ -44,15 +53,35 @@ QUESTIONS = [
 # vLLM's v1 metric names (docs/design/metrics.md, "v1 Metrics", and the Grafana list's num_requests_waiting), as the
 # Prometheus parser names the families (counters without their _total).
 VLLM_V1_NAMES = {
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens", "vllm:generation_tokens",
-    "vllm:request_success", "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
-    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
-    "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_queue_time_seconds",
-    "vllm:request_inference_time_seconds", "vllm:num_preemptions"}
-OLD_NAMES = {"minivllm:num_requests_running", "minivllm:num_requests_waiting", "minivllm:kv_cache_usage_perc",
-             "minivllm:prompt_tokens", "minivllm:generation_tokens", "minivllm:time_to_first_token_seconds",
-             "minivllm:inter_token_latency_seconds", "minivllm:e2e_request_latency_seconds"}
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:request_success",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:num_preemptions",
+}
+OLD_NAMES = {
+    "minivllm:num_requests_running",
+    "minivllm:num_requests_waiting",
+    "minivllm:kv_cache_usage_perc",
+    "minivllm:prompt_tokens",
+    "minivllm:generation_tokens",
+    "minivllm:time_to_first_token_seconds",
+    "minivllm:inter_token_latency_seconds",
+    "minivllm:e2e_request_latency_seconds",
+}
 
 
 @pytest.fixture(scope="module")
@@ -86,22 +115,29 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = tokenizer.encode(context + continuation, add_special_tokens=False)
     context_enc = tokenizer.encode(context, add_special_tokens=False)
-    return context_enc, whole[len(context_enc):]
+    return context_enc, whole[len(context_enc) :]
 
 
 def hf_loglikelihood(model, context_enc: list[int], continuation_enc: list[int]) -> tuple[float, bool]:
     "lm-eval's hf backend: log-softmax of the logits over (context + continuation)[:-1], at the continuation's tokens."
     tokens = torch.tensor([context_enc + continuation_enc])
     with torch.no_grad():
-        logprobs = torch.log_softmax(model(tokens[:, :-1]).logits.float(), dim=-1)[0, len(context_enc) - 1:]
+        logprobs = torch.log_softmax(model(tokens[:, :-1]).logits.float(), dim=-1)[0, len(context_enc) - 1 :]
     target = torch.tensor(continuation_enc)
     return float(logprobs.gather(1, target[:, None]).sum()), bool((logprobs.argmax(-1) == target).all())
 
 
 def lm_eval_payload(prompts: list[list[int]]) -> dict:
     "LocalCompletionsAPI._create_payload(generate=False), lm-eval 0.4.13."
-    return {"model": MODEL, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
-            "echo": True}
+    return {
+        "model": MODEL,
+        "prompt": prompts,
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
 
 
 def lm_eval_parse(out: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
@@ -118,9 +154,10 @@ def lm_eval_parse(out: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
 @pytest.mark.timeout(300)
 def test_lm_eval_multiple_choice_matches_its_hf_backend(http, server):
     from transformers import AutoModelForCausalLM
+
     tokenizer = server.llm.tokenizer
     pairs = [encode_pair(tokenizer, context, choice) for context, choices, _ in QUESTIONS for choice in choices]
-    out = complete(http, **lm_eval_payload([c + k for c, k in pairs]))   # (one batch, as lm-eval sends them)
+    out = complete(http, **lm_eval_payload([c + k for c, k in pairs]))  # (one batch, as lm-eval sends them)
     served = lm_eval_parse(out, [len(c) for c, _ in pairs])
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, dtype=torch.float32).eval()
     reference = [hf_loglikelihood(model, c, k) for c, k in pairs]
@@ -128,7 +165,7 @@ def test_lm_eval_multiple_choice_matches_its_hf_backend(http, server):
         assert got == pytest.approx(want, abs=1e-4)
         assert got_greedy == want_greedy
     picks = iter(zip(served, reference))
-    for _, choices, _ in QUESTIONS:   # the answer each backend picks (lm-eval's acc): the most likely choice
+    for _, choices, _ in QUESTIONS:  # the answer each backend picks (lm-eval's acc): the most likely choice
         rows = [next(picks) for _ in choices]
         assert max(range(len(rows)), key=lambda i: rows[i][0][0]) == max(range(len(rows)), key=lambda i: rows[i][1][0])
 
@@ -141,12 +178,12 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(http, server):
     assert choice["text"] == prompt
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids)
-    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None   # nothing before the first token
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing before the first token
     assert all(isinstance(x, float) and x <= 0 for x in lp["token_logprobs"][1:])
     assert all(len(top) <= 3 and lp["tokens"][i + 1] in top for i, top in enumerate(lp["top_logprobs"][1:]))
     assert "".join(lp["tokens"]) == prompt
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids))]
-    prompt_lps = choice["prompt_logprobs"]   # vLLM's extra field: the same numbers by token id
+    prompt_lps = choice["prompt_logprobs"]  # vLLM's extra field: the same numbers by token id
     assert prompt_lps[0] is None and len(prompt_lps) == len(ids)
     assert [entry[str(t)]["logprob"] for entry, t in zip(prompt_lps[1:], ids[1:])] == lp["token_logprobs"][1:]
 
@@ -169,21 +206,33 @@ def test_echo_puts_the_prompt_before_the_completion(http):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("body,field", [
-    ({"max_tokens": 0}, "max_tokens"),                       # 0 only with echo
-    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),   # not streamed yet: refused, not ignored
-    ({"prompt_logprobs": 21}, "prompt_logprobs")])
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),  # 0 only with echo
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # not streamed yet: refused, not ignored
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ],
+)
 def test_echo_misuse_is_400(http, server, body, field):
-    assert field in assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x"} | body),
-                                 400)["message"]
+    assert (
+        field in assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x"} | body), 400)["message"]
+    )
     assert engine_idle(server.llm)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("max_tokens", [0, 5])
 def test_streamed_echo_joins_to_the_plain_echo(http, max_tokens):
-    body = {"model": MODEL, "prompt": ["def fibonacci(n):", "import os\nimport"], "echo": True, "logprobs": 1,
-            "max_tokens": max_tokens, "temperature": 0, "n": 2}
+    body = {
+        "model": MODEL,
+        "prompt": ["def fibonacci(n):", "import os\nimport"],
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "n": 2,
+    }
     plain = complete(http, **body)["choices"]
     response = http.post("/v1/completions", json=body | {"stream": True})
     assert response.status_code == 200, response.text
@@ -201,7 +250,7 @@ def test_streamed_echo_joins_to_the_plain_echo(http, max_tokens):
         got = joined[c["index"]]
         assert got["text"] == c["text"] and got["text"].startswith(body["prompt"][c["index"] // 2])
         assert got["tokens"] == c["logprobs"]["tokens"] and got["text_offset"] == c["logprobs"]["text_offset"]
-        want = c["logprobs"]["token_logprobs"]   # (batched differently: equal to float32 rounding)
+        want = c["logprobs"]["token_logprobs"]  # (batched differently: equal to float32 rounding)
         assert got["token_logprobs"][0] is None is want[0]
         assert got["token_logprobs"][1:] == pytest.approx(want[1:], abs=1e-4)
 
@@ -220,20 +269,29 @@ def test_guidellm_request_bodies_stream_with_usage_on_every_chunk(http):
     stream = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     limit = {"stop": None, "ignore_eos": True}
     for route, body, text_of in [
-            ("/v1/completions", {"max_tokens": 8, "prompt": "def fibonacci(n):"}, lambda c: c["text"]),
-            ("/v1/chat/completions", {"max_completion_tokens": 8, "messages": [
-                {"role": "user", "content": [{"type": "text", "text": "Write a function that reverses a list."}]}]},
-             lambda c: c["delta"]["content"])]:
+        ("/v1/completions", {"max_tokens": 8, "prompt": "def fibonacci(n):"}, lambda c: c["text"]),
+        (
+            "/v1/chat/completions",
+            {
+                "max_completion_tokens": 8,
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "Write a function that reverses a list."}]}
+                ],
+            },
+            lambda c: c["delta"]["content"],
+        ),
+    ]:
         events = usage_chunks(http.post(route, json={"model": MODEL} | stream | limit | body))
         *chunks, last = events
         assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8
-        counts = [c["usage"]["completion_tokens"] for c in chunks]   # every chunk: its usage so far
+        counts = [c["usage"]["completion_tokens"] for c in chunks]  # every chunk: its usage so far
         assert counts == sorted(counts) and counts[-1] == 8
         assert all(c["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] for c in chunks)
         assert "".join(text_of(c["choices"][0]) for c in chunks)
-    events = usage_chunks(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3,
-                                                              "stream": True}))
-    assert all("usage" not in e for e in events)   # (none asked: none sent)
+    events = usage_chunks(
+        http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True})
+    )
+    assert all("usage" not in e for e in events)  # (none asked: none sent)
 
 
 @pytest.mark.timeout(120)
@@ -241,8 +299,10 @@ def test_chat_content_as_text_parts_is_the_joined_text(http):
     body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}}
     parts = [{"type": "text", "text": "Write a function"}, {"type": "text", "text": "that reverses a list."}]
     as_parts = http.post("/v1/chat/completions", json=body | {"messages": [{"role": "user", "content": parts}]})
-    as_text = http.post("/v1/chat/completions", json=body | {"messages": [
-        {"role": "user", "content": "Write a function\nthat reverses a list."}]})
+    as_text = http.post(
+        "/v1/chat/completions",
+        json=body | {"messages": [{"role": "user", "content": "Write a function\nthat reverses a list."}]},
+    )
     assert as_parts.status_code == as_text.status_code == 200, as_parts.text
     assert as_parts.json()["choices"][0]["message"] == as_text.json()["choices"][0]["message"]
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
@@ -252,12 +312,26 @@ def test_chat_content_as_text_parts_is_the_joined_text(http):
 
 @pytest.mark.timeout(120)
 def test_fields_that_change_nothing_are_ignored_with_a_warning(http, caplog):
-    extra = {"store": False, "metadata": {"run": "1"}, "user": "u", "service_tier": "auto", "no_such_field": 1,
-             "response_format": {"type": "text"}, "stream_options": None}
+    extra = {
+        "store": False,
+        "metadata": {"run": "1"},
+        "user": "u",
+        "service_tier": "auto",
+        "no_such_field": 1,
+        "response_format": {"type": "text"},
+        "stream_options": None,
+    }
     with caplog.at_level(logging.WARNING, logger="minivllm.serve"):
         out = complete(http, prompt="x", max_tokens=2, temperature=0, **extra)
-        chat = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "parallel_tool_calls": True,
-                                                       "messages": [{"role": "user", "content": "hi", "x": 1}]})
+        chat = http.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "max_tokens": 2,
+                "parallel_tool_calls": True,
+                "messages": [{"role": "user", "content": "hi", "x": 1}],
+            },
+        )
     assert out["choices"][0]["finish_reason"] == "length" and chat.status_code == 200, chat.text
     warned = " ".join(r.getMessage() for r in caplog.records if r.name == "minivllm.serve")
     for name in ("store", "metadata", "service_tier", "no_such_field", "parallel_tool_calls", "messages.0.x"):
@@ -265,19 +339,26 @@ def test_fields_that_change_nothing_are_ignored_with_a_warning(http, caplog):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("route,extra,field", [
-    ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
-    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("/v1/completions", {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
-    ("/v1/completions", {"suffix": "}"}, "suffix"),
-    ("/v1/completions", {"best_of": 3}, "best_of")])
+@pytest.mark.parametrize(
+    "route,extra,field",
+    [
+        ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("/v1/completions", {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ("/v1/completions", {"suffix": "}"}, "suffix"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+    ],
+)
 def test_fields_that_would_change_the_output_are_refused_by_name(http, server, route, extra, field):
-    base = {"model": MODEL, "prompt": "x"} if route == "/v1/completions" else {
-        "model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    base = (
+        {"model": MODEL, "prompt": "x"}
+        if route == "/v1/completions"
+        else {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    )
     assert field in assert_error(http.post(route, json=base | extra), 400)["message"]
     assert engine_idle(server.llm)
 
@@ -305,7 +386,7 @@ def test_metrics_have_vllm_v1_names_with_the_model_label(http, server):
     complete(http, prompt="def metrics_probe(x):", max_tokens=4, temperature=0, ignore_eos=True)
     found = families(server.url)
     assert VLLM_V1_NAMES <= found.keys(), sorted(VLLM_V1_NAMES - found.keys())
-    assert OLD_NAMES <= found.keys(), sorted(OLD_NAMES - found.keys())   # the aliases, for one release
+    assert OLD_NAMES <= found.keys(), sorted(OLD_NAMES - found.keys())  # the aliases, for one release
     for name in VLLM_V1_NAMES:
         samples = found[name].samples
         assert samples and all(s.labels.get("model_name") == MODEL for s in samples), name
@@ -324,13 +405,13 @@ def test_running_gauge_drops_to_0_when_the_client_hangs_up(server):
     with httpx.Client(base_url=server.url, headers=headers, timeout=120) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
-            for _ in range(4):   # (two chunks and their blank lines)
+            for _ in range(4):  # (two chunks and their blank lines)
                 next(lines)
             wait_for(lambda: gauge(server.url, "vllm:num_requests_running") == 1, 60, "the request to run")
     wait_for(lambda: engine_idle(server.llm), 60, "the abort")
     wait_for(lambda: gauge(server.url, "vllm:num_requests_running") == 0, 60, "the running gauge to drop")
     assert gauge(server.url, "vllm:num_requests_waiting") == 0
-    assert gauge(server.url, "minivllm:num_requests_running") == 0   # (the alias, unlabelled)
+    assert gauge(server.url, "minivllm:num_requests_running") == 0  # (the alias, unlabelled)
 
 
 # ------------------------------------------------------------------------------------------ vLLM's other routes
@@ -355,23 +436,26 @@ def test_tokenize_detokenize_version_and_model_by_id(http, server):
     card = http.get(f"/v1/models/{MODEL}").json()
     assert card == http.get("/v1/models").json()["data"][0] | {"created": card["created"]}
     assert "gpt-9" in assert_error(http.get("/v1/models/gpt-9"), 404)["message"]
-    assert_error(httpx.get(f"{server.url}/v1/models/{MODEL}"), 401)   # (a /v1 route: the key is needed)
+    assert_error(httpx.get(f"{server.url}/v1/models/{MODEL}"), 401)  # (a /v1 route: the key is needed)
 
 
 # ---------------------------------------------------------------------------------------- max_tokens vs context
 @pytest.mark.timeout(60)
 def test_max_tokens_beyond_the_context_is_400_naming_both_numbers(http, server):
     limit = server.llm.engine.config.max_model_len
-    prompt = list(range(10, 20))   # (token ids: 10 tokens, no tokenizer guesswork)
-    error = assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": limit}),
-                         400)
+    prompt = list(range(10, 20))  # (token ids: 10 tokens, no tokenizer guesswork)
+    error = assert_error(
+        http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": limit}), 400
+    )
     assert f"{limit} > {limit} - 10" in error["message"] and "max_tokens" in error["message"]
     messages = [{"role": "user", "content": "hi"}]
-    error = assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages,
-                                                                  "max_completion_tokens": limit}), 400)
+    error = assert_error(
+        http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_completion_tokens": limit}),
+        400,
+    )
     assert f"{limit} >" in error["message"]
-    assert engine_idle(server.llm)   # checked before anything was queued
-    out = complete(http, prompt=prompt, max_tokens=2, temperature=0)   # what fits runs
+    assert engine_idle(server.llm)  # checked before anything was queued
+    out = complete(http, prompt=prompt, max_tokens=2, temperature=0)  # what fits runs
     assert out["usage"]["completion_tokens"] == 2
 
 

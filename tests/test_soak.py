@@ -20,19 +20,19 @@ largest batch seen so far, a few MB to a few tens of MB. A real leak of what a r
 lists, logprobs dicts, about 10-50 kB) over the 2,500 requests after warm-up is 25-125 MB, and a leaked KV block or
 tensor per step far more; the object census below catches smaller leaks of engine objects exactly.
 """
+
 from __future__ import annotations
 
 import gc
 import math
 import random
 import time
-
 import weakref
 
 import psutil
 import pytest
 
-from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
+from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
 from minivllm.engine.output_processor import Request
 from minivllm.engine.sequence import Sequence
 from minivllm.models.registry import load_config
@@ -42,9 +42,17 @@ WARMUP = 500
 MAX_MODEL_LEN = 48
 RSS_GROWTH_LIMIT = 50 * 2**20
 VOCAB = load_config(TINY_MODEL_PATH).vocab_size
-SNIPPETS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n        ",
-            "for i in range(10):\n", "    return", "try:\n    import json\nexcept ImportError:\n", "x = [", "# "]
-HEADER = list(range(100, 132))   # 32 tokens = 2 full blocks, shared by some prompts: the prefix cache gets hits
+SNIPPETS = [
+    "def fibonacci(n):\n    ",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):\n        ",
+    "for i in range(10):\n",
+    "    return",
+    "try:\n    import json\nexcept ImportError:\n",
+    "x = [",
+    "# ",
+]
+HEADER = list(range(100, 132))  # 32 tokens = 2 full blocks, shared by some prompts: the prefix cache gets hits
 STOPS = ["\n", "(", "):", " = ", "def", "\n\n"]
 
 
@@ -79,9 +87,12 @@ def random_params(rng: random.Random) -> SamplingParams:
     if rng.random() < 0.2:
         kw["logprobs"] = rng.randint(0, 3)
     kw["ignore_eos"] = rng.random() < 0.3
-    if rng.random() < 0.15:   # the logits processors: their token history lives on through preemptions
-        kw.update(presence_penalty=rng.uniform(-1, 2), frequency_penalty=rng.uniform(0, 1),
-                  repetition_penalty=rng.uniform(0.8, 1.5))
+    if rng.random() < 0.15:  # the logits processors: their token history lives on through preemptions
+        kw.update(
+            presence_penalty=rng.uniform(-1, 2),
+            frequency_penalty=rng.uniform(0, 1),
+            repetition_penalty=rng.uniform(0.8, 1.5),
+        )
     if rng.random() < 0.1:
         kw["min_tokens"] = rng.randint(0, kw["max_tokens"] or 16)
     if rng.random() < 0.05:
@@ -95,7 +106,7 @@ class Checker:
     def __init__(self, llm: LLM):
         self.tokenizer, self.eos = llm.get_tokenizer(), set(llm.llm_engine.config.eos_token_ids)
         self.answered, self.reasons, self.cached_tokens = 0, {}, 0
-        self.repeatable: dict[tuple, list[int]] = {}   # greedy or seeded request -> its tokens
+        self.repeatable: dict[tuple, list[int]] = {}  # greedy or seeded request -> its tokens
         self.repeats = 0
 
     def key(self, prompt, params: SamplingParams) -> tuple | None:
@@ -119,7 +130,7 @@ class Checker:
         elif isinstance(c.stop_reason, int):
             assert ids[-1] == c.stop_reason and c.stop_reason in params.stop_token_ids
         elif isinstance(c.stop_reason, str):
-            assert c.stop_reason in params.stop   # (a stop string within the first min_tokens tokens stops nothing)
+            assert c.stop_reason in params.stop  # (a stop string within the first min_tokens tokens stops nothing)
             assert params.min_tokens or not any(s in c.text for s in params.stop)
         else:
             assert ids[-1] in self.eos and not params.ignore_eos
@@ -153,8 +164,12 @@ def census() -> dict[int, weakref.ref]:
 def live_since(before: dict[int, weakref.ref]) -> tuple[int, int]:
     "Sequences and Requests of this test still alive (other tests' leftovers, if any, are not counted)."
     gc.collect()
-    new = [o for o in gc.get_objects() if type(o) in (Sequence, Request)   # (type: isinstance warns on some objects)
-           and not (id(o) in before and before[id(o)]() is o)]   # (an id of a dead leftover may be reused)
+    new = [
+        o
+        for o in gc.get_objects()
+        if type(o) in (Sequence, Request)  # (type: isinstance warns on some objects)
+        and not (id(o) in before and before[id(o)]() is o)
+    ]  # (an id of a dead leftover may be reused)
     return sum(type(o) is Sequence for o in new), sum(type(o) is Request for o in new)
 
 
@@ -166,13 +181,19 @@ def rss() -> int:
 @pytest.mark.slow
 def test_soak():
     rng = random.Random(2025)
-    leftovers = census()   # engines number their sequences from 0: the objects alive before tell this test's apart
+    leftovers = census()  # engines number their sequences from 0: the objects alive before tell this test's apart
     start = time.perf_counter()
-    llm = LLM(TINY_MODEL_PATH, device="cpu", max_model_len=MAX_MODEL_LEN, max_num_seqs=32,
-              max_num_batched_tokens=512, num_kvcache_blocks=12 * MAX_MODEL_LEN // 16)
+    llm = LLM(
+        TINY_MODEL_PATH,
+        device="cpu",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=32,
+        max_num_batched_tokens=512,
+        num_kvcache_blocks=12 * MAX_MODEL_LEN // 16,
+    )
     engine, checker = llm.llm_engine, Checker(llm)
     bm = engine.scheduler.block_manager
-    history: list[tuple] = []   # some greedy/seeded requests, to be sent again later
+    history: list[tuple] = []  # some greedy/seeded requests, to be sent again later
     abandoned = 0
     rss_warm = None
 
@@ -188,7 +209,7 @@ def test_soak():
         if rss_warm is None and checker.answered >= WARMUP:
             rss_warm, warm_answered = rss(), checker.answered
         mode = rng.random()
-        if mode < 0.55:    # a generate call
+        if mode < 0.55:  # a generate call
             batch = [next_request() for _ in range(rng.randint(1, 64))]
             outputs = llm.generate([p for p, _ in batch], [sp for _, sp in batch], use_tqdm=False)
             for (prompt, params), out in zip(batch, outputs):
@@ -203,7 +224,7 @@ def test_soak():
                     if out.finished:
                         checker.check(*batch.pop(out.request_id), out)
             assert not batch
-        else:              # a stream, sometimes abandoned after a few tokens
+        else:  # a stream, sometimes abandoned after a few tokens
             prompt, params = next_request()
             stop_after = rng.randint(1, 4) if rng.random() < 0.5 else None
             text, ids, logprobs = "", [], []
@@ -213,7 +234,7 @@ def test_soak():
                 if stop_after is not None and i + 1 == stop_after and not delta.finished:
                     abandoned += 1
                     break
-            else:   # the deltas put together are the whole output
+            else:  # the deltas put together are the whole output
                 c.text, c.token_ids, c.logprobs = text, ids, None if params.logprobs is None else logprobs
                 checker.check(prompt, params, delta)
             assert not engine.requests
@@ -222,18 +243,20 @@ def test_soak():
     elapsed = time.perf_counter() - start
     rss_end = rss()
     stats = engine.stats
-    print(f"\nsoak: {checker.answered} answered + {abandoned} abandoned streams in {elapsed:.0f} s; "
-          f"{stats.num_steps} steps, {stats.num_prompt_tokens} prompt + {stats.num_generated_tokens} generated tokens, "
-          f"{stats.num_preemptions} preemptions, {checker.cached_tokens} prompt tokens from the prefix cache, "
-          f"{checker.repeats} repeats; finish reasons {checker.reasons}; RSS {rss_warm / 2**20:.0f} MB after "
-          f"{warm_answered} requests -> {rss_end / 2**20:.0f} MB at the end")
+    print(
+        f"\nsoak: {checker.answered} answered + {abandoned} abandoned streams in {elapsed:.0f} s; "
+        f"{stats.num_steps} steps, {stats.num_prompt_tokens} prompt + {stats.num_generated_tokens} generated tokens, "
+        f"{stats.num_preemptions} preemptions, {checker.cached_tokens} prompt tokens from the prefix cache, "
+        f"{checker.repeats} repeats; finish reasons {checker.reasons}; RSS {rss_warm / 2**20:.0f} MB after "
+        f"{warm_answered} requests -> {rss_end / 2**20:.0f} MB at the end"
+    )
     # every request answered; the engine is empty and consistent
     assert checker.answered + abandoned >= NUM_REQUESTS and abandoned > 0
     assert engine.requests == {} and engine.outputs.by_seq == {} and not engine.outputs.watched
     assert not engine.scheduler.has_unfinished() and engine.in_flight is None
     sampling = engine.executor.runner.sampling
     assert bm.num_free_blocks == bm.num_blocks and sampling.generators == {} and sampling.params == {}
-    assert engine.builder.tables.rows == {}   # every block-table row given back
+    assert engine.builder.tables.rows == {}  # every block-table row given back
     engine.scheduler.check_invariants()
     assert live_since(leftovers) == (0, 0)
     # the workload did what it was meant to

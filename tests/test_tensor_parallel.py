@@ -13,6 +13,7 @@ On the CPU (gloo), with the embedded tiny Qwen3 in float32:
 On two GPUs (NCCL, `@pytest.mark.gpu`): the same faults, TP=2 against TP=1, graphs against eager, and the benchmark.
 Every test that could hang has a time cap.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,10 +35,17 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
+from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
 from minivllm.config import Config
-from minivllm.distributed.launch import (COMM_ENV, TorchrunEnv, join_group, leave_group, master_store, set_comm_env,
-                                         torchrun_env)
+from minivllm.distributed.launch import (
+    COMM_ENV,
+    TorchrunEnv,
+    join_group,
+    leave_group,
+    master_store,
+    set_comm_env,
+    torchrun_env,
+)
 from minivllm.distributed.step_broadcast import HEADER_WORDS
 from minivllm.engine.batch_builder import prepare_step
 from minivllm.engine.scheduler import Scheduler
@@ -51,7 +59,7 @@ PROMPTS = [  # 1 to ~90 tokens: one fits in a step, the long ones are chunked an
     "import os",
     "def fibonacci(n):\n    ",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    "def read_config(path):\n    \"\"\"Read a JSON config file and return it as a dict.\"\"\"\n    with open(path) as f:\n"
+    'def read_config(path):\n    """Read a JSON config file and return it as a dict."""\n    with open(path) as f:\n'
     "        data = json.load(f)\n    if not isinstance(data, dict):\n        raise ValueError(path)\n    return",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
@@ -59,8 +67,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
 
 def our_children() -> set[int]:
     "Child processes of the test process, without Python's own resource tracker (started by the first spawn)."
-    return {p.pid for p in psutil.Process().children(recursive=True)
-            if "resource_tracker" not in " ".join(p.cmdline())}
+    return {p.pid for p in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())}
 
 
 def completions(llm: LLM, params: SamplingParams = GREEDY):
@@ -107,13 +114,14 @@ def run_script(tmp_path, body: str, timeout: float, **popen) -> subprocess.Compl
     script.write_text(textwrap.dedent(body))
     env = {k: v for k, v in os.environ.items() if k != "MINIVLLM_TP_FAIL"} | popen.pop("env", {})
     args = [sys.executable, *popen.pop("args", []), str(script)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True, **popen)
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True, **popen
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]   # (torchrun's ranks
-        os.killpg(proc.pid, signal.SIGTERM)                                    # have sessions of their own)
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]  # (torchrun's ranks
+        os.killpg(proc.pid, signal.SIGTERM)  # have sessions of their own)
         for straggler in psutil.wait_procs(family, timeout=40)[1]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 straggler.kill()
@@ -123,6 +131,7 @@ def run_script(tmp_path, body: str, timeout: float, **popen) -> subprocess.Compl
 
 
 # ---------------------------------------------------------------- the step message (no processes)
+
 
 def mixed_step() -> StepInputs:
     "A step that mixes a decode token, a prefill chunk and the start of a prompt (notebook 09's running example)."
@@ -141,9 +150,13 @@ def assert_round_trip(x: StepInputs) -> None:
     for name, _, _ in STEP_FIELDS:
         ours, theirs = getattr(x, name), getattr(y, name)
         assert theirs.dtype == ours.dtype and theirs.shape == ours.shape and np.array_equal(theirs, ours)
-        assert theirs.size == 0 or np.shares_memory(theirs, packed)   # a view of the received bytes, not a copy
+        assert theirs.size == 0 or np.shares_memory(theirs, packed)  # a view of the received bytes, not a copy
     assert (y.max_seqlen_q, y.max_seqlen_k, y.is_decode_only, y.ahead) == (
-        x.max_seqlen_q, x.max_seqlen_k, x.is_decode_only, x.ahead)
+        x.max_seqlen_q,
+        x.max_seqlen_k,
+        x.is_decode_only,
+        x.ahead,
+    )
     assert y.sizes == x.sizes
 
 
@@ -161,20 +174,35 @@ def test_step_round_trip_of_any_sizes_and_values(data):
     b = data.draw(st.integers(1, min(n, 12)))
     w = data.draw(st.integers(1, 9))
     s = data.draw(st.integers(0, b))
-    p = data.draw(st.integers(0, n))   # prompt rows whose log-probabilities were asked for
+    p = data.draw(st.integers(0, n))  # prompt rows whose log-probabilities were asked for
     big = st.integers(-(2**62), 2**62)
     arr64 = lambda k: np.array(data.draw(st.lists(big, min_size=k, max_size=k)), dtype=np.int64)  # noqa: E731
-    arr32 = lambda k: np.array(data.draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=k, max_size=k)),  # noqa
-                               dtype=np.int32)
-    x = StepInputs(input_ids=arr64(n), positions=arr64(n), slot_mapping=arr64(n), logits_indices=arr64(s),
-                   seq_ids=arr64(s), cu_seqlens_q=arr32(b + 1), cu_seqlens_k=arr32(b + 1), context_lens=arr32(b),
-                   block_tables=arr32(b * w).reshape(b, w), shared_prefix_len=arr32(1),
-                   max_seqlen_q=data.draw(st.integers(1, 10**6)), max_seqlen_k=data.draw(st.integers(1, 10**6)),
-                   ahead=data.draw(st.booleans()), prompt_logits_indices=arr64(p), prompt_target_ids=arr64(p))
+    arr32 = lambda k: np.array(
+        data.draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=k, max_size=k)),  # noqa
+        dtype=np.int32,
+    )
+    x = StepInputs(
+        input_ids=arr64(n),
+        positions=arr64(n),
+        slot_mapping=arr64(n),
+        logits_indices=arr64(s),
+        seq_ids=arr64(s),
+        cu_seqlens_q=arr32(b + 1),
+        cu_seqlens_k=arr32(b + 1),
+        context_lens=arr32(b),
+        block_tables=arr32(b * w).reshape(b, w),
+        shared_prefix_len=arr32(1),
+        max_seqlen_q=data.draw(st.integers(1, 10**6)),
+        max_seqlen_k=data.draw(st.integers(1, 10**6)),
+        ahead=data.draw(st.booleans()),
+        prompt_logits_indices=arr64(p),
+        prompt_target_ids=arr64(p),
+    )
     assert_round_trip(x)
 
 
 # ---------------------------------------------------------------- launch and groups (one process)
+
 
 def test_torchrun_env_needs_all_five_variables(monkeypatch):
     names = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
@@ -218,6 +246,7 @@ def test_ranks_agree_on_the_smallest_kv_cache(rank_pool):
     """Rank 1 has twice rank 0's memory budget: both size their cache for rank 0's (the block manager's numbers).
     (The ranks are the session's shared pair of processes, tests/_rank_pool.py: each runs _tp_kv_worker.run.)"""
     from minivllm.engine.kv_cache import num_kv_blocks
+
     budgets = [0.01, 0.02]
     blocks = rank_pool.run("_tp_kv_worker", "run", budgets, timeout=120)
     small = Config(TINY_MODEL_PATH, tensor_parallel_size=2, device="cpu", max_model_len=256, max_num_seqs=256)
@@ -228,6 +257,7 @@ def test_ranks_agree_on_the_smallest_kv_cache(rank_pool):
 
 # ---------------------------------------------------------------- TP=2 engines on the CPU
 
+
 @pytest.fixture(scope="module")
 def tp2():
     """One TP=2 engine for the tests that do not damage it (each start costs two worker processes that import torch):
@@ -236,7 +266,7 @@ def tp2():
     before = our_children()
     llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
     yield llm, before
-    llm.close()   # (already closed by the last test, unless it failed first)
+    llm.close()  # (already closed by the last test, unless it failed first)
 
 
 @pytest.mark.timeout(300)
@@ -245,11 +275,12 @@ def test_tp2_matches_tp1(tp2, reference):
     executor = llm.llm_engine.executor
     assert type(executor).__name__ == "MultiProcExecutor" and sorted(executor.workers.procs) == [0, 1]
     assert len(our_children() - before) == 2
-    assert not dist.is_initialized()   # the engine's own process holds no process group
+    assert not dist.is_initialized()  # the engine's own process holds no process group
     assert_same(completions(llm), reference)
-    with LLM(TINY_MODEL_PATH, **ENGINE) as tp1:   # prompt rows through the vocab-parallel LM head, rank 0's history
-        assert_same_features(llm.generate(PROMPTS, FEATURES, use_tqdm=False),
-                             tp1.generate(PROMPTS, FEATURES, use_tqdm=False))
+    with LLM(TINY_MODEL_PATH, **ENGINE) as tp1:  # prompt rows through the vocab-parallel LM head, rank 0's history
+        assert_same_features(
+            llm.generate(PROMPTS, FEATURES, use_tqdm=False), tp1.generate(PROMPTS, FEATURES, use_tqdm=False)
+        )
 
 
 @pytest.mark.timeout(300)
@@ -257,19 +288,20 @@ def test_ctrl_c_in_the_middle_of_a_message_is_raised_after_it(tp2, reference, re
     """SIGINT goes to a process, and the kernel may hand it to any thread; Python then raises KeyboardInterrupt in the
     main thread, wherever it is. Between a step's header and its payload, that would leave rank 0 reading a broken
     request: `_send` holds the signal back until the message is whole, then raises it."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)   # as in a terminal (a launcher may ignore it)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a launcher may ignore it)
     request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     llm, _ = tp2
     rpc = llm.llm_engine.executor.workers.rpc
     real_send_bytes, interrupted = rpc.send_bytes, []
 
-    def send_bytes_after_a_ctrl_c(payload):   # the header is out; a Ctrl-C arrives through another thread
+    def send_bytes_after_a_ctrl_c(payload):  # the header is out; a Ctrl-C arrives through another thread
         if not interrupted:
             interrupted.append(True)
             sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT))
             sender.start()
-            sender.join(60)                    # sent: its handler runs in the main thread, here, before the payload
+            sender.join(60)  # sent: its handler runs in the main thread, here, before the payload
         real_send_bytes(payload)
+
     rpc.send_bytes = send_bytes_after_a_ctrl_c
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -277,7 +309,7 @@ def test_ctrl_c_in_the_middle_of_a_message_is_raised_after_it(tp2, reference, re
     finally:
         del rpc.send_bytes
     assert interrupted and not llm.llm_engine.requests
-    assert_same(completions(llm), reference)   # rank 0 read whole messages: the engine goes on
+    assert_same(completions(llm), reference)  # rank 0 read whole messages: the engine goes on
 
 
 @pytest.mark.timeout(300)
@@ -288,14 +320,14 @@ def test_two_tp2_engines_alive_at_once_close_and_garbage_collection(tp2, referen
     try:
         assert len(our_children() - before) == 4
         assert_same(completions(b), reference)
-        stream = b.stream(PROMPTS[2], SamplingParams(temperature=0, max_tokens=24))   # interleave the two engines
+        stream = b.stream(PROMPTS[2], SamplingParams(temperature=0, max_tokens=24))  # interleave the two engines
         first = next(stream)
         assert_same(completions(a), reference)
         rest = [t for out in stream for t in out.outputs[0].token_ids]
         assert first.outputs[0].token_ids + rest == reference[2].token_ids
     finally:
         a.close()
-    assert len(our_children() - before) == 2   # b's workers: close() ended a's, and only a's
+    assert len(our_children() - before) == 2  # b's workers: close() ended a's, and only a's
     with pytest.raises(RuntimeError, match="closed"):
         completions(a)
     del b, stream
@@ -310,8 +342,9 @@ def test_worker_failure_during_load_is_raised(monkeypatch):
     with pytest.raises(RuntimeError) as info:
         LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
     message = str(info.value)
-    assert message.startswith("tensor-parallel worker rank 1 failed: RuntimeError: injected failure of rank 1 "
-                              "during load")
+    assert message.startswith(
+        "tensor-parallel worker rank 1 failed: RuntimeError: injected failure of rank 1 during load"
+    )
     assert "--- traceback of rank 1 ---\nTraceback (most recent call last):" in message
     assert "in inject_failure" in message
     assert our_children() == before
@@ -331,14 +364,14 @@ def test_worker_failure_or_death_ends_the_call_and_a_new_engine_works(monkeypatc
     llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
     with pytest.raises(RuntimeError, match="rank 1 failed: RuntimeError: injected failure of rank 1 during step"):
         completions(llm)
-    assert our_children() == before   # the failed group was taken down at once
+    assert our_children() == before  # the failed group was taken down at once
     assert not llm.llm_engine.has_unfinished_requests()
     with pytest.raises(RuntimeError, match=r"the tensor-parallel group is down \(make a new LLM\)"):
         completions(llm)
     llm.close()
     monkeypatch.delenv("MINIVLLM_TP_FAIL")
 
-    llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)   # a new engine in the same process works
+    llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)  # a new engine in the same process works
     assert_same(completions(llm), reference)
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     stream = llm.stream(PROMPTS[3], params)
@@ -351,7 +384,7 @@ def test_worker_failure_or_death_ends_the_call_and_a_new_engine_works(monkeypatc
     llm.close()
     assert our_children() == before
 
-    llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)   # and after a killed one
+    llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)  # and after a killed one
     assert_same(completions(llm), reference)
     os.kill(llm.llm_engine.executor.workers.procs[1].pid, signal.SIGKILL)
     with pytest.raises(RuntimeError, match="tensor-parallel worker rank 1 was killed by signal 9 unexpectedly"):
@@ -364,7 +397,7 @@ def next_line(proc: subprocess.Popen, timeout: float) -> str:
     "The script's next line of output; after `timeout` seconds without one, a failure that shows where it is stuck."
     if select.select([proc.stdout], [], [], timeout)[0]:
         return proc.stdout.readline()
-    os.kill(proc.pid, signal.SIGUSR1)   # the script's faulthandler prints its threads' stacks
+    os.kill(proc.pid, signal.SIGUSR1)  # the script's faulthandler prints its threads' stacks
     time.sleep(1.0)
     os.killpg(proc.pid, signal.SIGKILL)
     pytest.fail(f"no output within {timeout:.0f} s; the script's stacks:\n{proc.stderr.read()[-6000:]}")
@@ -399,8 +432,9 @@ def check_ctrl_c(tmp_path, model: str, engine: dict, first_prompt, loop_prompt) 
     """
     script = tmp_path / "interrupt.py"
     script.write_text(textwrap.dedent(body))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)   # its own process group: the signal reaches the workers too
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )  # its own process group: the signal reaches the workers too
     try:
         line = next_line(proc, 150)
         assert line.strip() == "ready", line + proc.stderr.read()[-3000:]
@@ -429,18 +463,24 @@ def test_ctrl_c_interrupts_a_call_promptly_and_the_engine_goes_on(tmp_path):
 @pytest.mark.timeout(180)
 def test_a_script_without_main_guard_gets_a_clear_error(tmp_path):
     "Spawned workers import the main script again; without the guard they would start engines of their own."
-    run = run_script(tmp_path, f"from minivllm import LLM\nLLM({TINY_MODEL_PATH!r}, tensor_parallel_size=2, "
-                               f"**{ENGINE!r})\n", timeout=170)
+    run = run_script(
+        tmp_path,
+        f"from minivllm import LLM\nLLM({TINY_MODEL_PATH!r}, tensor_parallel_size=2, **{ENGINE!r})\n",
+        timeout=170,
+    )
     assert run.returncode == 1
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("RuntimeError: tensor-parallel worker rank ") and "exited with code 1 before it started" in last
+    assert (
+        last.startswith("RuntimeError: tensor-parallel worker rank ") and "exited with code 1 before it started" in last
+    )
     assert 'create the LLM under `if __name__ == "__main__":`' in last
 
 
 @pytest.mark.timeout(180)
 def test_workers_exit_when_the_engine_process_is_killed(tmp_path):
     script = tmp_path / "engine.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, sys, time
         import psutil
         from minivllm import LLM
@@ -449,7 +489,8 @@ def test_workers_exit_when_the_engine_process_is_killed(tmp_path):
             print(*[p.pid for p in psutil.Process().children()
                     if "resource_tracker" not in " ".join(p.cmdline())], flush=True)
             time.sleep(600)
-    """))
+    """)
+    )
     engine = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         workers = [psutil.Process(int(pid)) for pid in engine.stdout.readline().split()]
@@ -474,40 +515,54 @@ TORCHRUN_SCRIPT = f"""
 
 @pytest.mark.timeout(300)
 def test_torchrun_starts_a_working_engine(tmp_path, reference):
-    run = run_script(tmp_path, TORCHRUN_SCRIPT, timeout=280,
-                     args=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+    run = run_script(
+        tmp_path,
+        TORCHRUN_SCRIPT,
+        timeout=280,
+        args=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.strip().splitlines()
-    assert lines[-1] == "rank 0 closed the engine"   # printed once: the other rank never returns from LLM(...)
+    assert lines[-1] == "rank 0 closed the engine"  # printed once: the other rank never returns from LLM(...)
     assert lines[:-1] == [str(r.token_ids) for r in reference]
 
 
 @pytest.mark.timeout(300)
 def test_torchrun_rank_that_fails_ends_rank_0_with_its_error(tmp_path):
-    run = run_script(tmp_path, TORCHRUN_SCRIPT, timeout=280, env={"MINIVLLM_TP_FAIL": "1:step"},
-                     args=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+    run = run_script(
+        tmp_path,
+        TORCHRUN_SCRIPT,
+        timeout=280,
+        env={"MINIVLLM_TP_FAIL": "1:step"},
+        args=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+    )
     assert run.returncode != 0
-    assert ("RuntimeError: tensor-parallel worker rank 1 failed: RuntimeError: injected failure of rank 1 during step"
-            in run.stderr), run.stderr[-3000:]
+    assert (
+        "RuntimeError: tensor-parallel worker rank 1 failed: RuntimeError: injected failure of rank 1 during step"
+        in run.stderr
+    ), run.stderr[-3000:]
     assert "rank 0 closed the engine" not in run.stdout
 
 
 # ---------------------------------------------------------------- two GPUs (NCCL)
 
-two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                              reason="needs 2 CUDA GPUs")
+two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+)
 GPU_ENGINE = dict(max_model_len=1024, max_num_seqs=8, gpu_memory_utilization=0.5)
 
 
 def random_qwen3_0_6b() -> str:
     "The Qwen3-0.6B architecture with seeded random weights (the benchmark's folder, made once)."
     from minivllm.bench import random_qwen3_folder
+
     return random_qwen3_folder(os.path.join(os.path.expanduser("~"), ".cache", "minivllm", "qwen3-0.6b-random"))
 
 
 def small_random_qwen3() -> str:
     "The same architecture cut to two layers: the fault tests start many engines, and the model's size is not theirs."
     from minivllm.bench import random_qwen3_folder
+
     path = os.path.join(os.path.expanduser("~"), ".cache", "minivllm", "qwen3-0.6b-2-layers-random")
     return random_qwen3_folder(path, num_hidden_layers=2)
 
@@ -528,8 +583,9 @@ def gpu_memory_used(index: int) -> int:
 @pytest.mark.timeout(300)
 def test_gpu_tp2_matches_tp1_float32_with_cuda_graphs():
     folder, gen = random_qwen3_0_6b(), torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 10000, (int(n),), generator=gen).tolist()
-               for n in torch.randint(16, 512, (8,), generator=gen)]
+    prompts = [
+        torch.randint(0, 10000, (int(n),), generator=gen).tolist() for n in torch.randint(16, 512, (8,), generator=gen)
+    ]
     tp1 = gpu_tokens(folder, prompts, 64, tensor_parallel_size=1, dtype="float32")
     tp2 = gpu_tokens(folder, prompts, 64, tensor_parallel_size=2, dtype="float32")
     assert all(len(t) == 64 for t in tp2)
@@ -555,16 +611,16 @@ def test_gpu_tp2_cuda_graphs_match_eager_float32():
 @pytest.mark.parametrize("stage", ["load", "step"])
 def test_gpu_worker_failure_is_raised_and_the_gpus_come_back(monkeypatch, stage):
     folder, before = small_random_qwen3(), [gpu_memory_used(i) for i in range(2)]
-    children = our_children()   # (torch.compile's workers of earlier tests, say)
+    children = our_children()  # (torch.compile's workers of earlier tests, say)
     monkeypatch.setenv("MINIVLLM_TP_FAIL", f"1:{stage}")
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=f"rank 1 failed: RuntimeError: injected failure of rank 1 during {stage}"):
         gpu_tokens(folder, [[1, 2, 3]], 4, tensor_parallel_size=2)
     assert time.monotonic() - start < 120
     assert our_children() == children
-    assert all(gpu_memory_used(i) < b + 2**30 for i, b in enumerate(before))   # the workers' memory returned
+    assert all(gpu_memory_used(i) < b + 2**30 for i, b in enumerate(before))  # the workers' memory returned
     monkeypatch.delenv("MINIVLLM_TP_FAIL")
-    if stage == "load":   # (once: engines are slow to start) a new engine after a group that failed half-made
+    if stage == "load":  # (once: engines are slow to start) a new engine after a group that failed half-made
         assert len(gpu_tokens(folder, [[1, 2, 3]], 4, tensor_parallel_size=2)[0]) == 4
 
 
@@ -587,7 +643,7 @@ def test_gpu_worker_killed_in_a_step_ends_the_call_within_a_minute(rank):
     finally:
         llm.close()
     assert our_children() == children
-    if rank == 1:   # (once) a new engine after one whose rank died
+    if rank == 1:  # (once) a new engine after one whose rank died
         assert len(gpu_tokens(folder, [[1, 2, 3]], 4, tensor_parallel_size=2)[0]) == 4
 
 
@@ -613,11 +669,18 @@ def test_gpu_torchrun_rank_that_fails_ends_rank_0_with_its_error(tmp_path):
             print("rank 0 finished")
     """
     start = time.monotonic()
-    run = run_script(tmp_path, body, timeout=200, env={"MINIVLLM_TP_FAIL": "1:step"},
-                     args=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+    run = run_script(
+        tmp_path,
+        body,
+        timeout=200,
+        env={"MINIVLLM_TP_FAIL": "1:step"},
+        args=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+    )
     assert run.returncode != 0 and "rank 0 finished" not in run.stdout
-    assert ("RuntimeError: tensor-parallel worker rank 1 failed: RuntimeError: injected failure of rank 1 during step"
-            in run.stderr), run.stderr[-3000:]
+    assert (
+        "RuntimeError: tensor-parallel worker rank 1 failed: RuntimeError: injected failure of rank 1 during step"
+        in run.stderr
+    ), run.stderr[-3000:]
     assert time.monotonic() - start < 180
 
 
@@ -626,5 +689,6 @@ def test_gpu_torchrun_rank_that_fails_ends_rank_0_with_its_error(tmp_path):
 @pytest.mark.timeout(300)
 def test_gpu_benchmark_runs_with_tp2(capsys):
     from minivllm.bench import main
+
     assert main(["--tensor-parallel-size", "2", "--num-seqs", "64", "--max-input", "256", "--max-output", "128"]) == 0
     assert "output tok/s" in capsys.readouterr().out

@@ -158,7 +158,7 @@ def heldout_sample(model, tokenizer, train_script) -> tuple[float, torch.Tensor]
 
 def test_heldout_cross_entropy_beats_unigram(heldout_sample, train_script) -> None:
     model_ce, targets = heldout_sample
-    unigram_ce = train_script.unigram_entropy(targets)   # the best unigram model of these very tokens
+    unigram_ce = train_script.unigram_entropy(targets)  # the best unigram model of these very tokens
     assert model_ce <= MAX_RATIO_TO_UNIGRAM * unigram_ce, (
         f"held-out CE {model_ce:.3f} nats/token > {MAX_RATIO_TO_UNIGRAM} x unigram CE {unigram_ce:.3f} "
         f"(ratio {model_ce / unigram_ce:.3f})"
@@ -180,8 +180,7 @@ def test_answers_heldout_requests_with_code(model_path: Path, train_script) -> N
     # float32 on CPU; these are its first 20 (16 of them do; greedy, 512 tokens at most each).
     from tokenizers import Tokenizer
 
-    requests = train_script.heldout_requests(Tokenizer.from_file(str(model_path / "tokenizer.json")),
-                                             n=ANSWER_REQUESTS)
+    requests = train_script.heldout_requests(Tokenizer.from_file(str(model_path / "tokenizer.json")), n=ANSWER_REQUESTS)
     assert len(requests) == ANSWER_REQUESTS
     assert all(train_script.split_of(r["path"]) == "heldout" for r in requests)
     answers = train_script.answer_requests(model_path, requests, "cpu")

@@ -41,13 +41,20 @@ class Box(dict):
 '''
 
 
-SMALL_MODEL = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
-               "num_key_value_heads": 1, "head_dim": 16}  # overrides of the script's MODEL_CONFIG for quick runs
+SMALL_MODEL = {
+    "num_hidden_layers": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+}  # overrides of the script's MODEL_CONFIG for quick runs
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     from tokenizers import Tokenizer
+
     from minivllm.tiny_model import TINY_MODEL_PATH
 
     return Tokenizer.from_file(str(Path(TINY_MODEL_PATH) / "tokenizer.json"))
@@ -81,16 +88,19 @@ def test_doc_summary_is_one_line_and_bounded(train_script) -> None:
     assert len(long) <= 54 and long.endswith(" ...")
 
 
-@pytest.mark.parametrize("answer, name, expected", [
-    ("```python\ndef f(x):\n    return x\n```", "f", True),
-    ("Sure:\n```python\nclass K:\n    pass\n```\nDone.", "K", True),
-    ("```python\ndef f(x):\n    return x\n", "f", True),              # unclosed block: the rest is the code
-    ("def f(x):\n    return x\n", "f", True),                         # no block: all of it is the code
-    ("```python\ndef g(x):\n    return x\n```", "f", False),          # another name
-    ("```python\ndef f(x:\n    return x\n```", "f", False),           # does not parse
-    ("```python\ndef outer():\n    def f():\n        pass\n```", "f", False),  # not at the top level
-    ("```python\ndef f(x):\n    if x:\n", "f", False),                # cut off mid-body
-])
+@pytest.mark.parametrize(
+    "answer, name, expected",
+    [
+        ("```python\ndef f(x):\n    return x\n```", "f", True),
+        ("Sure:\n```python\nclass K:\n    pass\n```\nDone.", "K", True),
+        ("```python\ndef f(x):\n    return x\n", "f", True),  # unclosed block: the rest is the code
+        ("def f(x):\n    return x\n", "f", True),  # no block: all of it is the code
+        ("```python\ndef g(x):\n    return x\n```", "f", False),  # another name
+        ("```python\ndef f(x:\n    return x\n```", "f", False),  # does not parse
+        ("```python\ndef outer():\n    def f():\n        pass\n```", "f", False),  # not at the top level
+        ("```python\ndef f(x):\n    if x:\n", "f", False),  # cut off mid-body
+    ],
+)
 def test_defines(train_script, answer: str, name: str, expected: bool) -> None:
     assert train_script.defines(answer, name) is expected
 
@@ -101,7 +111,8 @@ def test_chat_prompt_is_the_tokenizers_chat_template(train_script) -> None:
     hf_tokenizer = train_script.load_tokenizer(Path(TINY_MODEL_PATH))
     messages = [{"role": "user", "content": "Write `f(x)`: Return x."}]
     assert train_script.chat_prompt("Write `f(x)`: Return x.") == hf_tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True)
+        messages, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_conversations_spans_and_masked_windows(train_script, tokenizer) -> None:
@@ -110,18 +121,22 @@ def test_conversations_spans_and_masked_windows(train_script, tokenizer) -> None
     assert len(spans) == len(definitions)
     chat = torch.from_numpy(chat_ids.astype("int64"))
     for d, (start, answer, end) in zip(definitions, spans.tolist()):
-        assert tokenizer.decode(chat[start:answer].tolist(), skip_special_tokens=False) == \
-            train_script.chat_prompt(train_script.chat_request(d))
-        assert tokenizer.decode(chat[answer:end].tolist(), skip_special_tokens=False) == \
-            train_script.chat_answer(d) + "<|im_end|>\n"
+        assert tokenizer.decode(chat[start:answer].tolist(), skip_special_tokens=False) == train_script.chat_prompt(
+            train_script.chat_request(d)
+        )
+        assert (
+            tokenizer.decode(chat[answer:end].tolist(), skip_special_tokens=False)
+            == train_script.chat_answer(d) + "<|im_end|>\n"
+        )
         assert int(chat[end]) == tokenizer.token_to_id("<|endoftext|>")
 
     cfg = train_script.TrainConfig(seq_len=64)
-    inputs, targets = train_script.sample_chat_batch(chat, torch.from_numpy(spans), 8, cfg,
-                                                     torch.Generator().manual_seed(0))
+    inputs, targets = train_script.sample_chat_batch(
+        chat, torch.from_numpy(spans), 8, cfg, torch.Generator().manual_seed(0)
+    )
     assert inputs.shape == targets.shape == (8, 64)
     for row_inputs, row_targets in zip(inputs, targets):
-        start = next(s for s in spans.tolist() if chat[s[0]:s[0] + 64].tolist() == row_inputs.tolist())
+        start = next(s for s in spans.tolist() if chat[s[0] : s[0] + 64].tolist() == row_inputs.tolist())
         kept = (row_targets != train_script.IGNORE).nonzero().flatten()
         # targets are exactly the answer's tokens (those inside the window), each the next token of the input
         assert kept.tolist() == [j for j in range(64) if start[1] <= start[0] + j + 1 < start[2]]
@@ -160,11 +175,15 @@ def test_heldout_requests_come_from_heldout_files_only(train_script, tokenizer) 
 
 def test_training_mixes_conversations_in_and_leaves_no_dropout_behind(train_script, tokenizer) -> None:
     chat_ids, spans = train_script.conversations(tokenizer, train_script.documented_definitions(SOURCE, "pkg/mod.py"))
-    data = {"train": torch.randint(3, 4096, (2048,), generator=torch.Generator().manual_seed(0)),
-            "heldout": torch.randint(3, 4096, (256,), generator=torch.Generator().manual_seed(1)),
-            "chat": torch.from_numpy(chat_ids.astype("int64")), "spans": torch.from_numpy(spans)}
-    cfg = train_script.TrainConfig(steps=4, batch_size=4, seq_len=32, chat_steps=2, dropout=0.3, log_every=2,
-                                   eval_every=0, warmup_steps=1)
+    data = {
+        "train": torch.randint(3, 4096, (2048,), generator=torch.Generator().manual_seed(0)),
+        "heldout": torch.randint(3, 4096, (256,), generator=torch.Generator().manual_seed(1)),
+        "chat": torch.from_numpy(chat_ids.astype("int64")),
+        "spans": torch.from_numpy(spans),
+    }
+    cfg = train_script.TrainConfig(
+        steps=4, batch_size=4, seq_len=32, chat_steps=2, dropout=0.3, log_every=2, eval_every=0, warmup_steps=1
+    )
     batch = train_script.mixed_batch(3, data, cfg, torch.Generator().manual_seed(0))
     ignore = train_script.IGNORE
     assert (batch[1][:2] != ignore).all() and (batch[1][2:] == ignore).any()  # plain rows, chat rows
@@ -181,14 +200,15 @@ def test_training_mixes_conversations_in_and_leaves_no_dropout_behind(train_scri
 
 def random_tokens() -> dict:
     "Random train and held-out ids for the training-loop tests."
-    return {"train": torch.randint(3, 4096, (2048,), generator=torch.Generator().manual_seed(0)),
-            "heldout": torch.randint(3, 4096, (256,), generator=torch.Generator().manual_seed(1))}
+    return {
+        "train": torch.randint(3, 4096, (2048,), generator=torch.Generator().manual_seed(0)),
+        "heldout": torch.randint(3, 4096, (256,), generator=torch.Generator().manual_seed(1)),
+    }
 
 
 def trained_weights(train_script, **ema) -> list[torch.Tensor]:
     "The weights of SMALL_MODEL after 2 steps on `random_tokens()` with these EMA settings."
-    cfg = train_script.TrainConfig(steps=2, batch_size=2, seq_len=32, log_every=1, eval_every=0, warmup_steps=1,
-                                   **ema)
+    cfg = train_script.TrainConfig(steps=2, batch_size=2, seq_len=32, log_every=1, eval_every=0, warmup_steps=1, **ema)
     model = train_script.build_model(0, overrides=SMALL_MODEL)
     train_script.train_model(model, random_tokens(), cfg, torch.device("cpu"))
     return [p.detach().clone() for p in model.parameters()]
@@ -198,8 +218,9 @@ def test_ema_saves_the_moving_average_of_the_weights(train_script, capsys) -> No
     data = random_tokens()
     runs = {}
     for decay in (0.0, 0.25):
-        cfg = train_script.TrainConfig(steps=1, batch_size=2, seq_len=32, log_every=1, eval_every=0, warmup_steps=1,
-                                       ema=decay)
+        cfg = train_script.TrainConfig(
+            steps=1, batch_size=2, seq_len=32, log_every=1, eval_every=0, warmup_steps=1, ema=decay
+        )
         model = train_script.build_model(0, overrides=SMALL_MODEL)
         runs[decay] = ([p.detach().clone() for p in model.parameters()], model)
         train_script.train_model(model, data, cfg, torch.device("cpu"))
@@ -210,9 +231,9 @@ def test_ema_saves_the_moving_average_of_the_weights(train_script, capsys) -> No
 
 
 def test_ema_start_averages_from_that_steps_weights(train_script) -> None:
-    after_first = trained_weights(train_script, ema=1.0, ema_start=1)   # decay 1 keeps the weights it started from
+    after_first = trained_weights(train_script, ema=1.0, ema_start=1)  # decay 1 keeps the weights it started from
     last = trained_weights(train_script)
-    for p1, p2, pa in zip(after_first, last, trained_weights(train_script, ema=0.25, ema_start=1)):   # 0.25 + 0.75
+    for p1, p2, pa in zip(after_first, last, trained_weights(train_script, ema=0.25, ema_start=1)):  # 0.25 + 0.75
         assert not torch.equal(p1, p2)
         torch.testing.assert_close(pa, 0.25 * p1 + 0.75 * p2)
 
@@ -220,18 +241,24 @@ def test_ema_start_averages_from_that_steps_weights(train_script) -> None:
 def test_ema_until_trains_on_from_the_average(train_script, capsys) -> None:
     start = [p.detach().clone() for p in train_script.build_model(0, overrides=SMALL_MODEL).parameters()]
     capsys.readouterr()
-    polished = trained_weights(train_script, ema=1.0, ema_until=1)   # the average is the first weights (decay 1);
+    polished = trained_weights(train_script, ema=1.0, ema_until=1)  # the average is the first weights (decay 1);
     # step 1 trains from them
     log = capsys.readouterr().out
-    assert log.index("moving average") < log.index("step     2/2")   # replaced at step 1, then trained on
+    assert log.index("moving average") < log.index("step     2/2")  # replaced at step 1, then trained on
     last, averaged = trained_weights(train_script), trained_weights(train_script, ema=1.0)
     for p0, pp, pl, pa in zip(start, polished, last, averaged):
-        torch.testing.assert_close(pa, p0)              # without --ema-until the average is what is saved
+        torch.testing.assert_close(pa, p0)  # without --ema-until the average is what is saved
         assert not torch.equal(pp, p0) and not torch.equal(pp, pl)
 
 
-@pytest.mark.parametrize("flags", [["--ema-until", "5"], ["--ema", "0.9", "--ema-until", "10"],
-                                   ["--ema", "0.9", "--ema-start", "5", "--ema-until", "5"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--ema-until", "5"],
+        ["--ema", "0.9", "--ema-until", "10"],
+        ["--ema", "0.9", "--ema-start", "5", "--ema-until", "5"],
+    ],
+)
 def test_ema_until_must_follow_the_start_within_the_run(train_script, flags) -> None:
     args = train_script.parse_args(["train", "--out", "x", "--steps", "10", *flags])
     with pytest.raises(SystemExit, match="--ema-until needs --ema"):

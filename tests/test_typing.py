@@ -5,6 +5,7 @@ class's body in the module, so the package holds ordinary classes and does not n
 public API type-checks with mypy (configured in pyproject.toml: torch, transformers and the other heavy libraries are
 not followed, so a cold check takes seconds), and the methods it calls have their real signatures, not `Any`.
 """
+
 from __future__ import annotations
 
 import ast
@@ -19,7 +20,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "minivllm"
 
-USER_SCRIPT = '''
+USER_SCRIPT = """
 import asyncio
 from typing import reveal_type
 
@@ -61,15 +62,30 @@ reveal_type(engine.step)
 reveal_type(AsyncLLM.generate)
 reveal_type(AsyncLLM.__aenter__)
 reveal_type(SamplingParams.changes_logits)
-'''
+"""
 
 
 def mypy(tmp_path: pathlib.Path, script: str) -> subprocess.CompletedProcess:
     (tmp_path / "user.py").write_text(script)
     env = os.environ | {"MYPYPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
-                           "--cache-dir", str(tmp_path / "cache"), "--no-error-summary", str(tmp_path / "user.py")],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=280)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--no-error-summary",
+            str(tmp_path / "user.py"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=280,
+    )
 
 
 @pytest.mark.timeout(300)
@@ -88,12 +104,15 @@ def test_a_script_of_the_public_api_type_checks(tmp_path):
 def test_mypy_reports_a_misused_method(tmp_path):
     "The check has teeth: a wrong call on a method that a notebook added with @patch is an error."
     pytest.importorskip("mypy")
-    run = mypy(tmp_path, textwrap.dedent('''
+    run = mypy(
+        tmp_path,
+        textwrap.dedent("""
         from minivllm.engine.llm_engine import LLMEngine
         engine = LLMEngine("model")
         outputs: int = engine.step()
         engine.abort_request(1.5)
-    '''))
+    """),
+    )
     assert run.returncode == 1 and run.stdout.count(": error:") == 2, run.stdout + run.stderr
 
 

@@ -1,4 +1,5 @@
 """Tests of the picture code (minivllm.viz, minivllm.viz_timeline): the recorded data and that drawing works."""
+
 from __future__ import annotations
 
 import matplotlib
@@ -43,9 +44,9 @@ def test_take_snapshot_records_plain_data():
     assert snap.num_tokens == {b.seq_id: 11}
     assert snap.ref_counts == [1, 1, 0, 1, 0, 0, 0, 0]
     assert snap.cached == [True, True, False, False, False, False, False, False]
-    assert snap.free_order == [2, 4, 5, 6, 7]           # a's partial block 2 (nothing cached) first
+    assert snap.free_order == [2, 4, 5, 6, 7]  # a's partial block 2 (nothing cached) first
     assert snap.usage == 3 / 8
-    b.block_table.append(99)                             # a snapshot is a copy
+    b.block_table.append(99)  # a snapshot is a copy
     assert snap.tables[b.seq_id] == [0, 1, 3]
 
 
@@ -60,10 +61,11 @@ def test_draw_kv_cache_and_fragmentation_save_pictures(tmp_path):
     draw_kv_cache(snap, ax=axes[0], blocks_per_row=4)
     draw_kv_cache(KVSnapshot("empty", 4, [0] * 8, [False] * 8), ax=axes[1])
     fig = draw_kv_cache(snap, compact=True)
-    assert len(fig.axes[0].images) == 1                  # the compact pool is one image
-    big = KVSnapshot("big", 16, [1] * 300 + [0] * 700, [False] * 1000, tables={0: list(range(300))},
-                     num_tokens={0: 4800})
-    assert len(draw_kv_cache(big).axes[0].images) == 1   # compact automatically above 256 blocks
+    assert len(fig.axes[0].images) == 1  # the compact pool is one image
+    big = KVSnapshot(
+        "big", 16, [1] * 300 + [0] * 700, [False] * 1000, tables={0: list(range(300))}, num_tokens={0: 4800}
+    )
+    assert len(draw_kv_cache(big).axes[0].images) == 1  # compact automatically above 256 blocks
     fig = draw_fragmentation([10, 100, 33], max_model_len=128, block_size=16, path=str(tmp_path / "frag.png"))
     assert "reservation wastes" in fig.axes[0].get_title()
 
@@ -80,18 +82,20 @@ def test_kv_cache_player_steps_through_the_recording():
 
 
 def run_records(policy="mixed"):
-    sched = Scheduler(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=32,
-                      policy=policy)
-    seqs = [Sequence(list(range(100 * i, 100 * i + n)), SamplingParams(max_tokens=3, ignore_eos=True), block_size=4)
-            for i, n in enumerate([6, 9, 5])]
+    sched = Scheduler(
+        num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=32, policy=policy
+    )
+    seqs = [
+        Sequence(list(range(100 * i, 100 * i + n)), SamplingParams(max_tokens=3, ignore_eos=True), block_size=4)
+        for i, n in enumerate([6, 9, 5])
+    ]
     for s in seqs:
         sched.add(s)
     records, clock = [], 0.0
     while sched.has_unfinished():
         plan = sched.schedule()
         finished = sched.postprocess(plan, [7] * sum(plan.sample))
-        records.append(StepRecord.from_step(len(records), plan, finished, sched, start=clock, duration=0.5,
-                                            wait=0.125))
+        records.append(StepRecord.from_step(len(records), plan, finished, sched, start=clock, duration=0.5, wait=0.125))
         clock += 0.5
     return seqs, records
 
@@ -103,7 +107,7 @@ def test_step_records_and_token_times():
     assert (r0.seq_ids, r0.num_tokens, r0.is_prefill, r0.sampled) == (ids[:2], [6, 2], [True, True], [True, False])
     assert (r1.seq_ids, r1.num_tokens, r1.is_prefill, r1.sampled) == (ids[:2], [1, 7], [False, True], [True, True])
     assert r2.finished == [ids[0]] and r2.total_tokens == 7 and r2.num_running == 2 and r2.num_waiting == 0
-    assert records[-1].kv_usage == 0.0 and r0.kv_usage == 3 / 16   # 2 blocks for 6 tokens, 1 for a chunk of 2
+    assert records[-1].kv_usage == 0.0 and r0.kv_usage == 3 / 16  # 2 blocks for 6 tokens, 1 for a chunk of 2
     assert r0.wait == 0.125 and r0.preempted == [] and r0.span() == (0.0, 1.0) and r0.span(use_time=True) == (0.0, 0.5)
     assert not r0.is_decode_only and not r2.is_decode_only and records[3].is_decode_only
     assert StepRecord(0, [1], [1], [False], [True]).wait is None

@@ -20,6 +20,7 @@ as for the host time). The summary (`--out`) is written again after every run, s
 what it measured; `--max-seconds` starts no run that would end past that budget (judged by the slowest run so far),
 so the summary is complete before a hard limit kills the command.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,10 +54,17 @@ def parse_env(items: list[str]) -> dict[str, str]:
 
 def make_base_tree(repo: Path, commit: str, dest: Path) -> str:
     "Extract `commit`'s `minivllm` package (without its data folder) into `dest`; the commit's full hash."
-    full = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", commit + "^{commit}"], check=True,
-                          capture_output=True, text=True).stdout.strip()
-    tar = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", full, "--", "minivllm",
-                          ":(exclude)minivllm/data"], check=True, capture_output=True).stdout
+    full = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--verify", commit + "^{commit}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    tar = subprocess.run(
+        ["git", "-C", str(repo), "archive", "--format=tar", full, "--", "minivllm", ":(exclude)minivllm/data"],
+        check=True,
+        capture_output=True,
+    ).stdout
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(tar), mode="r:") as archive:
         archive.extractall(dest, filter="data")
@@ -77,8 +85,10 @@ def check_tree(tree: Path, env: dict[str, str]) -> str:
     found = subprocess.run([sys.executable, "-P", "-c", CHECK], env=env, capture_output=True, text=True)
     want = os.path.realpath(tree / "minivllm")
     if found.returncode or found.stdout.strip() != want:
-        raise SystemExit(f"ab_bench: the runs of tree {tree} would import minivllm from {found.stdout.strip()!r}, "
-                         f"not {want!r}\n{found.stderr[-2000:]}")
+        raise SystemExit(
+            f"ab_bench: the runs of tree {tree} would import minivllm from {found.stdout.strip()!r}, "
+            f"not {want!r}\n{found.stderr[-2000:]}"
+        )
     return want
 
 
@@ -91,7 +101,7 @@ def metrics(results: dict) -> dict[str, float]:
         found[f"{run['workload']}{engine} output tok/s"] = run["output_tok_s"]
         if run.get("host_ms_per_decode_step_at_batch_256"):
             found[f"{run['workload']} host ms a decode step, batch 256"] = run["host_ms_per_decode_step_at_batch_256"]
-    if peaks := results.get("peaks"):   # the card's rates as the run measured them (a bench that measures them)
+    if peaks := results.get("peaks"):  # the card's rates as the run measured them (a bench that measures them)
         found["card copy TB/s"], found["card bf16 TFLOP/s"] = peaks["bandwidth"] / 1e12, peaks["flops"] / 1e12
     if latency := results.get("latency"):
         found["single stream output tok/s"] = latency["single_stream"]["output_tok_s"]
@@ -141,16 +151,21 @@ def table_lines(table: dict[str, dict]) -> list[str]:
     lines = [f"{'figure':34} {'A median':>10} {'B median':>10} {'B/A':>7}   A runs | B runs"]
     for name, row in table.items():
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
-        lines.append(f"{name:34} {fmt(row['A']):>10} {fmt(row['B']):>10} {ratio:>7}   "
-                     + " ".join(map(fmt, row["A_runs"])) + " | " + " ".join(map(fmt, row["B_runs"])))
+        lines.append(
+            f"{name:34} {fmt(row['A']):>10} {fmt(row['B']):>10} {ratio:>7}   "
+            + " ".join(map(fmt, row["A_runs"]))
+            + " | "
+            + " ".join(map(fmt, row["B_runs"]))
+        )
     return lines
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     "The tool's own arguments, and the bench's (everything after `--`)."
-    ours, bench = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    ap = argparse.ArgumentParser(prog="python tools/ab_bench.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ours, bench = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    ap = argparse.ArgumentParser(
+        prog="python tools/ab_bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tree-a", type=Path, default=None, help="A's package tree (default: B's, or --base-commit's)")
     ap.add_argument("--tree-b", type=Path, default=ROOT, help="B's package tree (default: this repository)")
     ap.add_argument("--base-commit", default=None, help="make tree A from this commit of --repo (git archive)")
@@ -164,8 +179,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--max-seconds", type=float, default=None, help="start no run that would end past this")
     ap.add_argument("--run-timeout", type=float, default=None, help="seconds one run may take before it is ended")
     ap.add_argument("--keep-going", action="store_true", help="go on after a failed run (default: stop)")
-    ap.add_argument("--bench-cmd", default=None,
-                    help="the command before the bench's arguments (default: this python -P -m minivllm.bench)")
+    ap.add_argument(
+        "--bench-cmd",
+        default=None,
+        help="the command before the bench's arguments (default: this python -P -m minivllm.bench)",
+    )
     ap.add_argument("--work-dir", type=Path, default=None, help="each run's results file and log (default: temp)")
     ap.add_argument("--out", type=Path, default=None, help="the summary JSON")
     args = ap.parse_args(ours)
@@ -191,8 +209,10 @@ def arms(args: argparse.Namespace) -> dict[str, dict]:
         print(f"tree A: {args.base_commit} ({commit_a[:12]}) in {tree_a}", flush=True)
     elif (tree_a / "AB_BASE_COMMIT").is_file():
         commit_a = (tree_a / "AB_BASE_COMMIT").read_text().strip()
-    return dict(A=dict(tree=tree_a, env={**common, **parse_env(args.env_a)}, commit=commit_a),
-                B=dict(tree=tree_b, env={**common, **parse_env(args.env_b)}, commit=None))
+    return dict(
+        A=dict(tree=tree_a, env={**common, **parse_env(args.env_a)}, commit=commit_a),
+        B=dict(tree=tree_b, env={**common, **parse_env(args.env_b)}, commit=None),
+    )
 
 
 def fits(args: argparse.Namespace, started: float, done: list[dict], runs_needed: int) -> bool:
@@ -213,33 +233,55 @@ def main(argv: list[str] | None = None) -> int:
         arm["run_env"] = run_env(arm["tree"], arm["env"])
         if not args.bench_cmd:
             check_tree(arm["tree"], arm["run_env"])
-        print(f"{name}: tree {arm['tree']}, env {' '.join(f'{k}={v}' for k, v in arm['env'].items()) or '-'}",
-              flush=True)
+        print(
+            f"{name}: tree {arm['tree']}, env {' '.join(f'{k}={v}' for k, v in arm['env'].items()) or '-'}", flush=True
+        )
     work = (args.work_dir or Path(tempfile.mkdtemp(prefix="ab_bench_"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     order = ["A", "B"] * args.runs
-    summary = dict(bench_args=bench, bench_cmd=base_cmd, work_dir=str(work), order=order, runs=[], medians={},
-                   arms={k: dict(tree=str(a["tree"]), env=a["env"], commit=a["commit"]) for k, a in plan.items()},
-                   complete=False, stopped=None)
+    summary = dict(
+        bench_args=bench,
+        bench_cmd=base_cmd,
+        work_dir=str(work),
+        order=order,
+        runs=[],
+        medians={},
+        arms={k: dict(tree=str(a["tree"]), env=a["env"], commit=a["commit"]) for k, a in plan.items()},
+        complete=False,
+        stopped=None,
+    )
     for index, arm in enumerate(order, 1):
-        if not fits(args, started, summary["runs"], 2 if arm == "A" else 1):   # (an A run starts a pair)
+        if not fits(args, started, summary["runs"], 2 if arm == "A" else 1):  # (an A run starts a pair)
             summary["stopped"] = f"--max-seconds {args.max_seconds}: no time for run {index}"
             break
         out, log = work / f"run{index}_{arm}.json", work / f"run{index}_{arm}.log"
         left = None if args.max_seconds is None else max(1.0, args.max_seconds - (time.perf_counter() - started))
         timeout = min(t for t in (left, args.run_timeout, float("inf")) if t is not None)
-        code, seconds = one_run(base_cmd + bench + ["--out", str(out)], plan[arm]["run_env"], log,
-                                None if timeout == float("inf") else timeout)
+        code, seconds = one_run(
+            base_cmd + bench + ["--out", str(out)],
+            plan[arm]["run_env"],
+            log,
+            None if timeout == float("inf") else timeout,
+        )
         results = json.loads(out.read_text()) if code == 0 and out.is_file() else {}
-        entry = dict(index=index, arm=arm, returncode=code, seconds=seconds, metrics=metrics(results),
-                     results=without_traces(results), log_tail=log.read_text(errors="replace").splitlines()[-15:])
+        entry = dict(
+            index=index,
+            arm=arm,
+            returncode=code,
+            seconds=seconds,
+            metrics=metrics(results),
+            results=without_traces(results),
+            log_tail=log.read_text(errors="replace").splitlines()[-15:],
+        )
         summary["runs"].append(entry)
         summary["medians"] = medians([r for r in summary["runs"] if r["returncode"] == 0])
         if args.out:
             args.out.write_text(json.dumps(summary, indent=1) + "\n")
         figures = ", ".join(f"{k} {fmt(v)}" for k, v in entry["metrics"].items())
-        print(f"run {index}/{len(order)} {arm}: {seconds:.1f} s, " + (figures if code == 0 else f"FAILED ({code})"),
-              flush=True)
+        print(
+            f"run {index}/{len(order)} {arm}: {seconds:.1f} s, " + (figures if code == 0 else f"FAILED ({code})"),
+            flush=True,
+        )
         if code != 0:
             print("\n".join("    " + line for line in entry["log_tail"]), flush=True)
             if not args.keep_going:
@@ -250,8 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps(summary, indent=1) + "\n")
     print("\n".join(table_lines(summary["medians"])))
-    print(f"runs: {len(summary['runs'])} of {len(order)} in {time.perf_counter() - started:.0f} s"
-          + (f"; stopped: {summary['stopped']}" if summary["stopped"] else "") + f"; files: {work}")
+    print(
+        f"runs: {len(summary['runs'])} of {len(order)} in {time.perf_counter() - started:.0f} s"
+        + (f"; stopped: {summary['stopped']}" if summary["stopped"] else "")
+        + f"; files: {work}"
+    )
     return 0 if summary["complete"] else 1
 
 

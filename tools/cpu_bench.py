@@ -25,6 +25,7 @@ machine hits all of them); the medians are reported, in output tokens per second
 On a machine shared with other jobs, `--alone` waits for an idle moment before each timed run and repeats a run during
 which other processes used more than 5% of a core (read from /proc/stat: Linux only).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,7 @@ def _others_cpu_seconds() -> float:
     "CPU seconds used so far by every process but this one (Linux: /proc/stat)."
     with open("/proc/stat") as f:
         ticks = [int(x) for x in f.readline().split()[1:9]]
-    everyone = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")   # all but idle and iowait
+    everyone = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
     me = os.times()
     return everyone - me.user - me.system
 
@@ -56,7 +57,7 @@ def timed_alone(fn, max_others: float = 0.05, timeout: float = 3600.0) -> float:
         before = _others_cpu_seconds()
         time.sleep(1.0)
         if _others_cpu_seconds() - before >= max_others:
-            continue                                  # someone is busy: wait
+            continue  # someone is busy: wait
         before, start = _others_cpu_seconds(), time.perf_counter()
         fn()
         seconds = time.perf_counter() - start
@@ -65,12 +66,14 @@ def timed_alone(fn, max_others: float = 0.05, timeout: float = 3600.0) -> float:
     raise RuntimeError(f"the machine was never idle for a whole run within {timeout:.0f} s")
 
 
-def random_prompts(num_prompts: int, vocab_size: int, seed: int = 0, min_len: int = 32, max_len: int = 256,
-                   first_id: int = 3) -> list[list[int]]:
+def random_prompts(
+    num_prompts: int, vocab_size: int, seed: int = 0, min_len: int = 32, max_len: int = 256, first_id: int = 3
+) -> list[list[int]]:
     "Prompts of random token ids, lengths uniform in [min_len, max_len], ids uniform in [first_id, vocab_size)."
     rng = random.Random(seed)
-    return [[rng.randrange(first_id, vocab_size) for _ in range(rng.randint(min_len, max_len))]
-            for _ in range(num_prompts)]
+    return [
+        [rng.randrange(first_id, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_prompts)
+    ]
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,8 +81,8 @@ def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torc
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
     mask = torch.zeros((len(prompts), width), dtype=torch.int64)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
     return ids, mask
 
 
@@ -90,13 +93,19 @@ def transformers_generate(model_path: str, prompts: list[list[int]], max_tokens:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa").eval()
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     ids, mask = _left_pad(prompts, pad_id)
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                              eos_token_id=None, pad_token_id=pad_id, bos_token_id=None)
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        eos_token_id=None,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+    )
 
     @torch.inference_mode()
     def generate() -> list[list[int]]:
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-        return out[:, ids.shape[1]:].tolist()
+        return out[:, ids.shape[1] :].tolist()
 
     return generate
 
@@ -110,14 +119,14 @@ def minivllm_generate(model_path: str, prompts: list[list[int]], max_tokens: int
     block_manager = llm.llm_engine.scheduler.block_manager
 
     def generate() -> list[list[int]]:
-        block_manager.reset_prefix_cache()   # every run computes every prompt: no hits left by the previous run
+        block_manager.reset_prefix_cache()  # every run computes every prompt: no hits left by the previous run
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
     return generate, llm
 
 
 SIDES = ("transformers", "transformers + reuse", "minivllm")
-RUN_DEADLINE_S = 3600.0   # the longest a side may take to build, or to answer one timed run (--alone waits included)
+RUN_DEADLINE_S = 3600.0  # the longest a side may take to build, or to answer one timed run (--alone waits included)
 
 
 def run_side(side: str, model_path: str, prompts: list[list[int]], max_tokens: int, alone: bool, conn) -> None:
@@ -149,8 +158,14 @@ def receive(conn, side: str, deadline_s: float = RUN_DEADLINE_S):
     return conn.recv()
 
 
-def cpu_vs_transformers(num_prompts: int = 64, max_tokens: int = 64, seed: int = 0, repeats: int = 5,
-                        model_path: str | None = None, alone: bool = False) -> dict:
+def cpu_vs_transformers(
+    num_prompts: int = 64,
+    max_tokens: int = 64,
+    seed: int = 0,
+    repeats: int = 5,
+    model_path: str | None = None,
+    alone: bool = False,
+) -> dict:
     "minivllm vs transformers `generate` on the same greedy batch on this CPU: median output tokens/s and their ratio."
     import multiprocessing as mp
 
@@ -166,9 +181,9 @@ def cpu_vs_transformers(num_prompts: int = 64, max_tokens: int = 64, seed: int =
             conns[side], child = ctx.Pipe()
             procs.append(ctx.Process(target=run_side, args=(side, model_path, prompts, max_tokens, alone, child)))
             procs[-1].start()
-            tokens[side] = receive(conns[side], side)                # built and warmed up, one side at a time
+            tokens[side] = receive(conns[side], side)  # built and warmed up, one side at a time
         times = {side: [] for side in SIDES}
-        for _ in range(repeats):                                     # interleaved: a busy moment hits every side
+        for _ in range(repeats):  # interleaved: a busy moment hits every side
             for side in SIDES:
                 conns[side].send(True)
                 times[side].append(receive(conns[side], side))
@@ -182,14 +197,24 @@ def cpu_vs_transformers(num_prompts: int = 64, max_tokens: int = 64, seed: int =
     num_tokens = num_prompts * max_tokens
     median = {side: statistics.median(times[side]) for side in SIDES}
     hf_tokens, mv_tokens = tokens["transformers"], tokens["minivllm"]
-    return dict(num_prompts=num_prompts, max_tokens=max_tokens, seed=seed, repeats=repeats, alone=alone,
-                prompt_tokens=sum(map(len, prompts)), output_tokens=num_tokens, threads=torch.get_num_threads(),
-                times=times, seconds=median, tok_s={side: num_tokens / median[side] for side in SIDES},
-                speedup=median["transformers"] / median["minivllm"],
-                speedup_same_malloc=median["transformers + reuse"] / median["minivllm"],
-                identical_outputs=sum(a == b for a, b in zip(hf_tokens, mv_tokens)),
-                same_tokens_with_reuse=tokens["transformers + reuse"] == hf_tokens,
-                all_lengths_ok=all(len(t) == max_tokens for t in hf_tokens + mv_tokens))
+    return dict(
+        num_prompts=num_prompts,
+        max_tokens=max_tokens,
+        seed=seed,
+        repeats=repeats,
+        alone=alone,
+        prompt_tokens=sum(map(len, prompts)),
+        output_tokens=num_tokens,
+        threads=torch.get_num_threads(),
+        times=times,
+        seconds=median,
+        tok_s={side: num_tokens / median[side] for side in SIDES},
+        speedup=median["transformers"] / median["minivllm"],
+        speedup_same_malloc=median["transformers + reuse"] / median["minivllm"],
+        identical_outputs=sum(a == b for a, b in zip(hf_tokens, mv_tokens)),
+        same_tokens_with_reuse=tokens["transformers + reuse"] == hf_tokens,
+        all_lengths_ok=all(len(t) == max_tokens for t in hf_tokens + mv_tokens),
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -198,20 +223,30 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--alone", action="store_true",
-                        help="keep only runs during which other processes used < 5%% of a core (a shared machine)")
+    parser.add_argument(
+        "--alone",
+        action="store_true",
+        help="keep only runs during which other processes used < 5%% of a core (a shared machine)",
+    )
     args = parser.parse_args(argv)
     r = cpu_vs_transformers(args.num_prompts, args.max_tokens, args.seed, args.repeats, alone=args.alone)
-    print(f"workload: {r['num_prompts']} prompts ({r['prompt_tokens']} tokens, lengths 32..256, seed {r['seed']}) "
-          f"x {r['max_tokens']} greedy output tokens; {r['threads']} torch threads; median of {r['repeats']} runs"
-          + (" with the machine to itself" if r["alone"] else ""))
+    print(
+        f"workload: {r['num_prompts']} prompts ({r['prompt_tokens']} tokens, lengths 32..256, seed {r['seed']}) "
+        f"x {r['max_tokens']} greedy output tokens; {r['threads']} torch threads; median of {r['repeats']} runs"
+        + (" with the machine to itself" if r["alone"] else "")
+    )
     for side, label in zip(SIDES, ("transformers generate", "transformers + reuse", "minivllm LLM.generate")):
-        print(f"{label:22} {r['tok_s'][side]:8.1f} output tok/s  ({r['seconds'][side]:.2f} s; runs "
-              + ", ".join(f"{t:.2f}" for t in r["times"][side]) + ")")
-    print(f"speedup: {r['speedup']:.2f}x transformers as it comes, {r['speedup_same_malloc']:.2f}x with the same "
-          f"malloc setting   identical greedy outputs: {r['identical_outputs']}/{r['num_prompts']} (transformers + "
-          f"reuse: the same tokens: {r['same_tokens_with_reuse']})   all outputs {r['max_tokens']} tokens: "
-          f"{r['all_lengths_ok']}")
+        print(
+            f"{label:22} {r['tok_s'][side]:8.1f} output tok/s  ({r['seconds'][side]:.2f} s; runs "
+            + ", ".join(f"{t:.2f}" for t in r["times"][side])
+            + ")"
+        )
+    print(
+        f"speedup: {r['speedup']:.2f}x transformers as it comes, {r['speedup_same_malloc']:.2f}x with the same "
+        f"malloc setting   identical greedy outputs: {r['identical_outputs']}/{r['num_prompts']} (transformers + "
+        f"reuse: the same tokens: {r['same_tokens_with_reuse']})   all outputs {r['max_tokens']} tokens: "
+        f"{r['all_lengths_ok']}"
+    )
     return r
 
 

@@ -15,10 +15,13 @@ function into its class's body in the module, in notebook order, as a plain meth
 (`    # %% ../notebooks/03_scheduler.ipynb #cell-id`). The package then needs no fastcore, and type checkers and
 editors see whole classes.
 
+Last, ruff sorts the imports and formats the modules (`[tool.ruff]` in pyproject.toml), as it formats the notebooks' cells.
+
 Only the generated `.py` files are managed here: package data (the tiny model) is left alone. Every package
 folder gets an `__init__.py` (empty unless a notebook exports one). Notebooks are never rewritten: their cell
 ids, execution counts and outputs stay as committed, which is what `pytest --nbval` compares against.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,6 +29,7 @@ import ast
 import difflib
 import io
 import shutil
+import subprocess
 import sys
 import tempfile
 import tokenize
@@ -82,14 +86,14 @@ def _method(lines: list[str], fn: ast.FunctionDef, kind: str) -> tuple[str, list
     if not isinstance(first.annotation, ast.Name):
         raise ValueError(f"line {fn.lineno}: @patch def {fn.name}: annotate its first argument with one class name")
     start = min(d.lineno for d in fn.decorator_list)
-    out = lines[start - 1:fn.end_lineno]
-    ann = first.annotation   # `self: Class` -> `self` (the annotation lies on one line)
+    out = lines[start - 1 : fn.end_lineno]
+    ann = first.annotation  # `self: Class` -> `self` (the annotation lies on one line)
     row = ann.lineno - start
-    head = out[row][:first.col_offset + len(first.arg)]
-    out[row] = head + out[row][ann.end_col_offset:]
+    head = out[row][: first.col_offset + len(first.arg)]
+    out[row] = head + out[row][ann.end_col_offset :]
     tokens = tokenize.generate_tokens(io.StringIO("".join(out)).readline)
     strings = {start + n - 1 for t in tokens if t.type == tokenize.STRING for n in range(t.start[0] + 1, t.end[0] + 1)}
-    doc = fn.body[0]   # a docstring's lines move with the code (inspect.getdoc reads the same text)
+    doc = fn.body[0]  # a docstring's lines move with the code (inspect.getdoc reads the same text)
     if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
         strings -= set(range(doc.lineno + 1, doc.end_lineno + 1))
     patch_rows = {d.lineno - start for d in fn.decorator_list if _patch_kind(d)}
@@ -99,7 +103,7 @@ def _method(lines: list[str], fn: ast.FunctionDef, kind: str) -> tuple[str, list
             if kind != "method":
                 method.append(f"    @{kind}\n")
         elif start + i in strings or not line.strip():
-            method.append(line)   # a line inside a string literal keeps its text; blank lines stay blank
+            method.append(line)  # a line inside a string literal keeps its text; blank lines stay blank
         else:
             method.append("    " + line)
     return ann.id, method
@@ -111,8 +115,8 @@ def fold_patches(text: str) -> str:
         return text
     head, *cells = text.split("\n" + MARKER)
     cells = [MARKER + c for c in cells]
-    classes: dict[str, tuple[int, int]] = {}   # class name -> (cell, its last line in that cell)
-    extra: dict[str, list[str]] = defaultdict(list)   # class name -> the lines folded into it
+    classes: dict[str, tuple[int, int]] = {}  # class name -> (cell, its last line in that cell)
+    extra: dict[str, list[str]] = defaultdict(list)  # class name -> the lines folded into it
     kept: list[list[str] | None] = []
     changed: list[bool] = []
     for ci, cell in enumerate(cells):
@@ -132,12 +136,14 @@ def fold_patches(text: str) -> str:
             pieces[cls].append(method)
             drop |= set(range(min(d.lineno for d in node.decorator_list), node.end_lineno + 1))
         for cls, methods in pieces.items():
-            extra[cls] += ["\n", "    " + lines[0]] + [l for m in methods for l in (m if m is methods[0] else ["\n", *m])]
-        for cls, (cj, last) in classes.items():   # a class above patches in its own cell: its end moves up
+            extra[cls] += ["\n", "    " + lines[0]] + [
+                l for m in methods for l in (m if m is methods[0] else ["\n", *m])
+            ]
+        for cls, (cj, last) in classes.items():  # a class above patches in its own cell: its end moves up
             if cj == ci:
                 classes[cls] = (ci, last - sum(1 for n in drop if n <= last))
         rest = [l for i, l in enumerate(lines, 1) if i not in drop]
-        kept.append(rest if "".join(rest[1:]).strip() else None)   # a cell of patches only is gone
+        kept.append(rest if "".join(rest[1:]).strip() else None)  # a cell of patches only is gone
         changed.append(bool(drop))
     for cls, (ci, last) in classes.items():
         if extra[cls]:
@@ -145,7 +151,7 @@ def fold_patches(text: str) -> str:
             changed[ci] = True
     body = "".join(_tidy(c) if new else "".join(c) + "\n" for c, new in zip(kept, changed) if c is not None)
     if "patch" not in {n.id for n in ast.walk(ast.parse(body)) if isinstance(n, ast.Name)}:
-        body = body.replace("\n\n" + PATCH_IMPORT + "\n", "\n\n", 1).replace(PATCH_IMPORT, "", 1)   # a group of its own
+        body = body.replace("\n\n" + PATCH_IMPORT + "\n", "\n\n", 1).replace(PATCH_IMPORT, "", 1)  # a group of its own
     return head + "\n" + body.rstrip("\n") + "\n"
 
 
@@ -192,8 +198,11 @@ def export_all(nbs_path: Path, lib_path: Path) -> set[Path]:
 
 def python_files(lib_path: Path) -> dict[str, str]:
     "Every .py file under `lib_path` (relative name -> text), skipping caches."
-    return {str(p.relative_to(lib_path)): p.read_text(encoding="utf-8")
-            for p in sorted(lib_path.rglob("*.py")) if "__pycache__" not in p.parts}
+    return {
+        str(p.relative_to(lib_path)): p.read_text(encoding="utf-8")
+        for p in sorted(lib_path.rglob("*.py"))
+        if "__pycache__" not in p.parts
+    }
 
 
 def fresh_export(cfg) -> dict[str, str]:
@@ -203,7 +212,17 @@ def fresh_export(cfg) -> dict[str, str]:
         nbs = Path(tmp) / cfg.nbs_path.name
         shutil.copytree(cfg.nbs_path, nbs, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
         export_all(nbs, lib)
+        ruff_format(lib)
         return python_files(lib)
+
+
+def ruff_format(lib_path: Path) -> None:
+    """Sort the exported modules' imports and format them with ruff (pyproject.toml's settings): nbdev makes the
+    notebooks' `from minivllm.x import ...` relative, which moves them in the sort, and folding indents methods."""
+    ruff = [sys.executable, "-m", "ruff"]
+    config = ["--quiet", "--config", str(ROOT / "pyproject.toml"), str(lib_path)]
+    subprocess.run([*ruff, "check", "--fix", "--select", "I", *config], check=True)
+    subprocess.run([*ruff, "format", *config], check=True)
 
 
 def check(cfg) -> int:
@@ -214,10 +233,13 @@ def check(cfg) -> int:
         if name not in have:
             problems.append(f"missing from {cfg.lib_path.name}/: {name} (run `make export`)")
         elif name not in want:
-            problems.append(f"not exported by any notebook: {cfg.lib_path.name}/{name} (edit a notebook, not the package)")
+            problems.append(
+                f"not exported by any notebook: {cfg.lib_path.name}/{name} (edit a notebook, not the package)"
+            )
         elif want[name] != have[name]:
-            diff = difflib.unified_diff(have[name].splitlines(True), want[name].splitlines(True),
-                                        f"{cfg.lib_path.name}/{name}", "fresh export")
+            diff = difflib.unified_diff(
+                have[name].splitlines(True), want[name].splitlines(True), f"{cfg.lib_path.name}/{name}", "fresh export"
+            )
             problems.append("".join(diff))
     for p in problems:
         print(p)

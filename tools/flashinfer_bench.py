@@ -12,6 +12,7 @@ holds `(context - 1) % block_size + 1` tokens (`minivllm.kernels.bench.flashinfe
     pip install flashinfer-python        # its kernels are compiled on first use (nvcc and ninja needed)
     python tools/flashinfer_bench.py --out figures/06_flashinfer_side_by_side_h200.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,10 @@ def side_by_side(batch: int, new: int, context: int, workspace: torch.Tensor, gr
     if graph:
         times = [triton.testing.do_bench_cudagraph(f, rep=100, return_mode="median") * 1e3 for f in (fi, tr)]
     else:
-        times = [triton.testing.do_bench(fi, warmup=25, rep=100, return_mode="median") * 1e3,
-                 bench_attention("triton", batch, context, new)["us"]]
+        times = [
+            triton.testing.do_bench(fi, warmup=25, rep=100, return_mode="median") * 1e3,
+            bench_attention("triton", batch, context, new)["us"],
+        ]
     return dict(flashinfer_us=round(times[0], 1), triton_us=round(times[1], 1), max_err=err)
 
 
@@ -47,16 +50,26 @@ def main() -> None:
     import flashinfer
 
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    results = {"flashinfer": flashinfer.__version__, "gpu": torch.cuda.get_device_name(),
-               "decode_launched": {}, "decode_cuda_graph": {}, "prefill_launched": {}}
-    runs = [("decode_launched", (b, 1, c), False) for b, c in DECODE] + \
-           [("decode_cuda_graph", (b, 1, c), True) for b, c in DECODE if c != 4096] + \
-           [("prefill_launched", shape, False) for shape in PREFILL]
+    results = {
+        "flashinfer": flashinfer.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "decode_launched": {},
+        "decode_cuda_graph": {},
+        "prefill_launched": {},
+    }
+    runs = (
+        [("decode_launched", (b, 1, c), False) for b, c in DECODE]
+        + [("decode_cuda_graph", (b, 1, c), True) for b, c in DECODE if c != 4096]
+        + [("prefill_launched", shape, False) for shape in PREFILL]
+    )
     for part, (batch, new, context), graph in runs:
         key = f"{batch}x{context}" if new == 1 else f"{batch}x{new}/{context}"
         r = results[part][key] = side_by_side(batch, new, context, workspace, graph)
-        print(f"{part:18} {key:12} flashinfer {r['flashinfer_us']:8.1f} us | triton {r['triton_us']:8.1f} us | "
-              f"triton/flashinfer {r['triton_us'] / r['flashinfer_us']:.2f} | max error {r['max_err']:.1e}", flush=True)
+        print(
+            f"{part:18} {key:12} flashinfer {r['flashinfer_us']:8.1f} us | triton {r['triton_us']:8.1f} us | "
+            f"triton/flashinfer {r['triton_us'] / r['flashinfer_us']:.2f} | max error {r['max_err']:.1e}",
+            flush=True,
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -25,6 +25,7 @@ model), and each decode step's host time is the engine's own measure, as `python
 step's duration less its wait for the device (`LLMEngine.start_trace`). That is the figure issue 16 asks to bring
 under 0.8 ms at batch 256; `--profile` then shows where it goes on that machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,7 @@ import time
 import torch
 from torch import nn
 
-from minivllm import LLM, SamplingParams, TINY_MODEL_PATH
+from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
 from minivllm.engine.cuda_graph import CUDAGraphRunner
 from minivllm.kernels.cascade import use_cascade
 
@@ -63,7 +64,7 @@ class StubSampler:
         self.ids = torch.randint(3, vocab_size, (max_batch,), generator=torch.Generator().manual_seed(0))
 
     def __call__(self, logits: torch.Tensor, sampling, generators=None, generator=None) -> torch.Tensor:
-        return self.ids[:len(logits)]
+        return self.ids[: len(logits)]
 
 
 class _NoGraph:
@@ -73,32 +74,45 @@ class _NoGraph:
 
 def host_graph_runner(model: nn.Module, config) -> CUDAGraphRunner:
     "A `CUDAGraphRunner` on the CPU: its buffers in host memory, its graphs no-ops (nothing is recorded)."
-    def no_capture(self, model, cascade):   # the same graph sets as a GPU runner's, recording nothing
+
+    def no_capture(self, model, cascade):  # the same graph sets as a GPU runner's, recording nothing
         self.graphs.update({b: _NoGraph() for b in self.batch_sizes})
         if cascade:
             self.cascade_graphs.update({b: _NoGraph() for b in self.batch_sizes if use_cascade(b, self.max_model_len)})
 
     capture = CUDAGraphRunner.capture
     CUDAGraphRunner.capture = no_capture
-    try:   # cascade as on a GPU with prefix caching (the Triton backend)
-        return CUDAGraphRunner(model, config.max_num_seqs, config.max_model_len, config.block_size,
-                               config.hf_config.vocab_size, config.torch_dtype, torch.device("cpu"),
-                               cascade=config.enable_prefix_caching)
+    try:  # cascade as on a GPU with prefix caching (the Triton backend)
+        return CUDAGraphRunner(
+            model,
+            config.max_num_seqs,
+            config.max_model_len,
+            config.block_size,
+            config.hf_config.vocab_size,
+            config.torch_dtype,
+            torch.device("cpu"),
+            cascade=config.enable_prefix_caching,
+        )
     finally:
         CUDAGraphRunner.capture = capture
 
 
 def host_engine(batch: int, prompt_len: int, max_tokens: int, seed: int = 0):
     "An engine on the tiny model with the device work stubbed out, `batch` requests admitted and prefilled."
-    blocks = batch * -(-(prompt_len + max_tokens) // 16)   # room for every request (a CPU cache is never touched)
-    llm = LLM(TINY_MODEL_PATH, device="cpu", skip_tokenizer_init=True, max_num_seqs=max(batch, 1),
-              num_kvcache_blocks=max(blocks, 128))
+    blocks = batch * -(-(prompt_len + max_tokens) // 16)  # room for every request (a CPU cache is never touched)
+    llm = LLM(
+        TINY_MODEL_PATH,
+        device="cpu",
+        skip_tokenizer_init=True,
+        max_num_seqs=max(batch, 1),
+        num_kvcache_blocks=max(blocks, 128),
+    )
     engine = llm.llm_engine
     runner, config = engine.executor.runner, engine.config
     runner.model = StubModel(config.hf_config.hidden_size)
     runner.sampler = StubSampler(config.max_num_batched_tokens, config.hf_config.vocab_size)
     runner.graphs = host_graph_runner(runner.model, config)
-    runner.graphs.greedy_ids.copy_(runner.sampler.ids[:len(runner.graphs.greedy_ids)])   # what the no-op graphs "pick"
+    runner.graphs.greedy_ids.copy_(runner.sampler.ids[: len(runner.graphs.greedy_ids)])  # what the no-op graphs "pick"
     admit_and_prefill(engine, batch, prompt_len, max_tokens, seed)
     return llm, engine
 
@@ -110,7 +124,9 @@ def admit_and_prefill(engine, batch: int, prompt_len: int, max_tokens: int, seed
     vocab = engine.config.hf_config.vocab_size
     for _ in range(batch):
         engine.add_request(None, torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), params)
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+    while engine.scheduler.waiting or any(
+        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
+    ):
         engine.step()
 
 
@@ -144,6 +160,7 @@ def real_engine(batch: int, prompt_len: int, max_tokens: int, seed: int = 0):
     import tempfile
 
     from minivllm.bench_models import config_folder
+
     gpu = torch.cuda.is_available()
     model = config_folder(tempfile.mkdtemp(), "qwen3-0.6b") if gpu else TINY_MODEL_PATH
     llm = LLM(model, load_format="dummy" if gpu else "auto", skip_tokenizer_init=True, max_num_seqs=max(batch, 1))
@@ -183,9 +200,11 @@ def main() -> None:
         llm.close()
     q = statistics.quantiles(times, n=10)
     where = "real engine, " + ("GPU" if torch.cuda.is_available() else "CPU") + ", " if args.real else ""
-    print(f"host time per decode step at batch {args.batch} ({where}prompt {args.prompt_len} tokens, "
-          f"{args.repeats} x {args.steps} steps): median {statistics.median(times) * 1e3:.3f} ms, "
-          f"p10 {q[0] * 1e3:.3f} ms, p90 {q[-1] * 1e3:.3f} ms")
+    print(
+        f"host time per decode step at batch {args.batch} ({where}prompt {args.prompt_len} tokens, "
+        f"{args.repeats} x {args.steps} steps): median {statistics.median(times) * 1e3:.3f} ms, "
+        f"p10 {q[0] * 1e3:.3f} ms, p90 {q[-1] * 1e3:.3f} ms"
+    )
     if args.profile:
         llm, engine = make(args.batch, args.prompt_len, args.max_tokens)
         time_steps(engine, 0)

@@ -12,6 +12,7 @@ nothing stays in L2), replayed and timed (median), with the results' bits compar
   tests/test_kernels.py) with `ENABLE_PDL` off and on (launched early, `gemv` sums a row in one tile, so the two
   agree to rounding: their largest difference is reported).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,21 @@ MODES = {"plain": 0, "wait_first": 1, "weights_first": 2}
 
 
 @triton.jit
-def _row_product(y_ptr, x_ptr, res_ptr, nw_ptr, w_ptr, N, K, eps, NORM: tl.constexpr, FUSE_SILU: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr):
+def _row_product(
+    y_ptr,
+    x_ptr,
+    res_ptr,
+    nw_ptr,
+    w_ptr,
+    N,
+    K,
+    eps,
+    NORM: tl.constexpr,
+    FUSE_SILU: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,
+):
     n, k = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
     if MODE > 0:
         gdc_launch_dependents()
@@ -48,7 +62,7 @@ def _row_product(y_ptr, x_ptr, res_ptr, nw_ptr, w_ptr, N, K, eps, NORM: tl.const
         gdc_wait()
     h = tl.load(x_ptr + k, mask=k < K, other=0.0)
     if NORM:
-        h = (h.to(tl.float32) + tl.load(res_ptr + k, mask=k < K, other=0.0).to(tl.float32))
+        h = h.to(tl.float32) + tl.load(res_ptr + k, mask=k < K, other=0.0).to(tl.float32)
         h = h * tl.rsqrt(tl.sum(h * h) / K + eps) * tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
     x = h.to(tl.float32)[None, :]
     acc = tl.sum(w.to(tl.float32) * x, axis=1)
@@ -61,20 +75,45 @@ def row_product(y, x, w, norm: bool, silu: bool, mode: int, nw) -> None:
     n, k = (w.shape[0] // 2 if silu else w.shape[0]), w.shape[1]
     block_k = triton.next_power_of_2(k)
     block_n = max(1, min(4 if n >= 4096 else 2, 4096 // block_k))
-    _row_product[(triton.cdiv(n, block_n),)](y, x, x, nw, w, n, k, 1e-6, NORM=norm, FUSE_SILU=silu, BLOCK_N=block_n,
-                                             BLOCK_K=block_k, MODE=mode, num_warps=4, launch_pdl=mode > 0)
+    _row_product[(triton.cdiv(n, block_n),)](
+        y,
+        x,
+        x,
+        nw,
+        w,
+        n,
+        k,
+        1e-6,
+        NORM=norm,
+        FUSE_SILU=silu,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        MODE=mode,
+        num_warps=4,
+        launch_pdl=mode > 0,
+    )
 
 
 def products() -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     rnd = lambda *shape: (torch.randn(*shape, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
-    layers = [dict(qkv=rnd(4096, HIDDEN), o=rnd(HIDDEN, 2048), gate_up=rnd(6144, HIDDEN), down=rnd(HIDDEN, 3072),
-                   nw=torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)) for _ in range(LAYERS)]
+    layers = [
+        dict(
+            qkv=rnd(4096, HIDDEN),
+            o=rnd(HIDDEN, 2048),
+            gate_up=rnd(6144, HIDDEN),
+            down=rnd(HIDDEN, 3072),
+            nw=torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16),
+        )
+        for _ in range(LAYERS)
+    ]
     x, x0 = rnd(1, HIDDEN), rnd(1, HIDDEN)
-    qkv, attn, hidden, act = (torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
-                              for n in (4096, 2048, HIDDEN, 3072))
-    weight_bytes = sum(t.numel() * 2 for layer in layers for t in (layer["qkv"], layer["o"], layer["gate_up"],
-                                                                   layer["down"]))
+    qkv, attn, hidden, act = (
+        torch.empty(1, n, device="cuda", dtype=torch.bfloat16) for n in (4096, 2048, HIDDEN, 3072)
+    )
+    weight_bytes = sum(
+        t.numel() * 2 for layer in layers for t in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])
+    )
 
     def step(mode: int) -> None:
         for layer in layers:
@@ -83,7 +122,7 @@ def products() -> dict:
             row_product(act, hidden, layer["gate_up"], True, True, mode, layer["nw"])
             row_product(x, act, layer["down"], False, False, mode, layer["nw"])
 
-    out, bits = {"weight_bytes": weight_bytes, "rounds": [{}, {}]}, {}   # the second round confirms the first
+    out, bits = {"weight_bytes": weight_bytes, "rounds": [{}, {}]}, {}  # the second round confirms the first
     for times in out["rounds"]:
         for name, mode in MODES.items():
             step(mode)
@@ -101,15 +140,28 @@ def products() -> dict:
     return out
 
 
-def decode_step_kernels(layers: int = 28, context: int = 1024, block: int = 16, seed: int = 0
-                        ) -> Callable[[], torch.Tensor]:
+def decode_step_kernels(
+    layers: int = 28, context: int = 1024, block: int = 16, seed: int = 0
+) -> Callable[[], torch.Tensor]:
     "A decode step's kernels at batch 1 (the decoder layer's one-row path) over random weights and caches."
     g = torch.Generator(device="cuda").manual_seed(seed)
     rnd = lambda *shape: (torch.randn(*shape, device="cuda", generator=g) * shape[-1] ** -0.5).bfloat16()
     norm = lambda n: (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).bfloat16()
-    ws = [dict(qkv=rnd(4096, 1024), o=rnd(1024, 2048), gate_up=rnd(6144, 1024), down=rnd(1024, 3072), n1=norm(1024),
-               n2=norm(1024), qn=norm(128), kn=norm(128), kc=rnd(context // block, block, 8, 128),
-               vc=rnd(context // block, block, 8, 128)) for _ in range(layers)]
+    ws = [
+        dict(
+            qkv=rnd(4096, 1024),
+            o=rnd(1024, 2048),
+            gate_up=rnd(6144, 1024),
+            down=rnd(1024, 3072),
+            n1=norm(1024),
+            n2=norm(1024),
+            qn=norm(128),
+            kn=norm(128),
+            kc=rnd(context // block, block, 8, 128),
+            vc=rnd(context // block, block, 8, 128),
+        )
+        for _ in range(layers)
+    ]
     cos_sin = torch.randn(context, 128, device="cuda", generator=g)
     pos, slot = torch.tensor([context - 1], device="cuda"), torch.tensor([context - 1], device="cuda")
     tables = torch.arange(context // block, device="cuda", dtype=torch.int32)[None]
@@ -120,15 +172,17 @@ def decode_step_kernels(layers: int = 28, context: int = 1024, block: int = 16, 
         for w in ws:
             qkv, res = norm_gemv(h, res, w["n1"], 1e-6, w["qkv"])
             q = qk_norm_rope_store(qkv, 16, 8, 128, w["qn"], w["kn"], 1e-6, cos_sin, pos, slot, w["kc"], w["vc"])
-            h = gemv(paged_decode_attention(q, w["kc"], w["vc"], lens, tables, 128 ** -0.5).view(1, -1), w["o"])
+            h = gemv(paged_decode_attention(q, w["kc"], w["vc"], lens, tables, 128**-0.5).view(1, -1), w["o"])
             act, res = norm_gemv(h, res, w["n2"], 1e-6, w["gate_up"], fuse_silu=True)
             h = gemv(act, w["down"])
         return h + res
+
     return step
 
 
 def package() -> dict:
     import minivllm.kernels.common as kernels_common
+
     step, out, results = decode_step_kernels(), {"rounds": [{}, {}]}, {}
     for times in out["rounds"]:
         for early in (False, True):
@@ -152,6 +206,7 @@ def main() -> None:
     ap.add_argument("--skip-package", action="store_true", help="only the products' probe")
     args = ap.parse_args()
     from minivllm.bench import environment
+
     report = {"environment": environment(), "products": products()}
     if not args.skip_package:
         report["package"] = package()

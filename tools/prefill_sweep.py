@@ -11,6 +11,7 @@ Shapes (Qwen3-0.6B's heads: 16 query, 8 KV, 128 dims, bfloat16, blocks of 16 sca
 Each configuration's output is checked against the default's (max abs difference printed); the FLOPs counted are the
 causal ones (QK^T and PV over the positions each query sees).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,17 +27,22 @@ from minivllm.kernels import paged_prefill
 from minivllm.layers.attention import AttentionMetadata
 
 HEADS, KV_HEADS, DIM, BLOCK = 16, 8, 128, 16
-SHAPES = {"prefill 16x1024": ([1024] * 16, [1024] * 16), "mixed 255+256": ([1] * 255 + [256], [1024] * 255 + [256]),
-          "prefill 4x4096": ([4096] * 4, [4096] * 4)}
-CONFIGS = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
-           for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
+SHAPES = {
+    "prefill 16x1024": ([1024] * 16, [1024] * 16),
+    "mixed 255+256": ([1] * 255 + [256], [1024] * 255 + [256]),
+    "prefill 4x4096": ([4096] * 4, [4096] * 4),
+}
+CONFIGS = [
+    dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
+    for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+]
 
 
 def make_step(q_lens: list[int], ctx_lens: list[int], seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // BLOCK) for n in ctx_lens]
     perm = torch.randperm(sum(need), generator=g).tolist()
-    tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
+    tables = [perm[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(need))]
     shape = (sum(need), BLOCK, KV_HEADS, DIM)
     kc = torch.randn(shape, generator=g).to("cuda", torch.bfloat16)
     vc = torch.randn(shape, generator=g).to("cuda", torch.bfloat16)
@@ -73,9 +79,11 @@ def main() -> None:
         flops = causal_flops(q_lens, ctx_lens)
 
         def run(module=paged_prefill, **cfg):
-            return module.paged_prefill_attention(q, kc, vc, m.cu_seqlens_q, m.context_lens, m.block_tables,
-                                                  DIM ** -0.5, skip_single=skip, **cfg)
-        rows_checked = slice(len(q_lens) - 1, None) if skip else slice(None)   # (skipped rows stay unwritten)
+            return module.paged_prefill_attention(
+                q, kc, vc, m.cu_seqlens_q, m.context_lens, m.block_tables, DIM**-0.5, skip_single=skip, **cfg
+            )
+
+        rows_checked = slice(len(q_lens) - 1, None) if skip else slice(None)  # (skipped rows stay unwritten)
         ref = run()[rows_checked]
         rows = [("default", {}, paged_prefill)] + [("sweep", cfg, paged_prefill) for cfg in CONFIGS]
         if before is not None:
@@ -84,7 +92,7 @@ def main() -> None:
             try:
                 us = time_us(lambda: run(module, **cfg))
                 err = (run(module, **cfg)[rows_checked].float() - ref.float()).abs().max().item()
-            except Exception as e:   # a configuration that does not compile (shared memory): noted, skipped
+            except Exception as e:  # a configuration that does not compile (shared memory): noted, skipped
                 print(f"{name} {label} {cfg}: {type(e).__name__}")
                 continue
             row = dict(shape=name, label=label, **cfg, us=us, tflops=flops / us / 1e6, max_diff=err)
@@ -95,11 +103,24 @@ def main() -> None:
         print("best:", json.dumps(best), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(environment=environment(), heads=HEADS, kv_heads=KV_HEADS, dim=DIM, block_size=BLOCK,
-                           defaults=dict(block_m=paged_prefill.PREFILL_BLOCK_M, block_n=paged_prefill.PREFILL_BLOCK_N,
-                                         num_warps=paged_prefill.PREFILL_NUM_WARPS,
-                                         num_stages=paged_prefill.PREFILL_NUM_STAGES),
-                           results=results), f, indent=1)
+            json.dump(
+                dict(
+                    environment=environment(),
+                    heads=HEADS,
+                    kv_heads=KV_HEADS,
+                    dim=DIM,
+                    block_size=BLOCK,
+                    defaults=dict(
+                        block_m=paged_prefill.PREFILL_BLOCK_M,
+                        block_n=paged_prefill.PREFILL_BLOCK_N,
+                        num_warps=paged_prefill.PREFILL_NUM_WARPS,
+                        num_stages=paged_prefill.PREFILL_NUM_STAGES,
+                    ),
+                    results=results,
+                ),
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ against the FLOP bound of its matrix products and causal attention, for a dense 
 every prompt is prefilled, then profiles `--steps` decode steps. Prints the top kernels by GPU time, the GPU time per
 step, and the host (CPU) time of the engine's Python per step; `--out` writes both steps' kernels.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,6 @@ from torch.profiler import ProfilerActivity, profile
 from minivllm import LLM, SamplingParams
 from minivllm.bench import environment, random_qwen3_folder
 from minivllm.engine.step_inputs import StepInputs
-
 
 PHASES = [  # (label, owner, attribute): the host work of one decode step, phase by phase
     ("scheduling: plan the next step (plan_lookahead)", "engine_module", "plan_lookahead"),
@@ -42,11 +42,20 @@ PHASES = [  # (label, owner, attribute): the host work of one decode step, phase
 def host_breakdown(engine, steps: int) -> None:
     "Time each phase of the host's work per decode step by wrapping the methods that do it (wall-clock, no profiler)."
     import minivllm.engine.llm_engine as engine_module
+
     runner = engine.executor.runner
-    owners = dict(scheduler=engine.scheduler, runner=runner, engine_module=engine_module, builder=engine.builder,
-                  graphs=runner.graphs, cuda_graph_class=torch.cuda.CUDAGraph, model=runner.model,
-                  graph_inputs=runner.graphs and runner.graphs.inputs, step_inputs_class=StepInputs,
-                  outputs=engine.outputs)
+    owners = dict(
+        scheduler=engine.scheduler,
+        runner=runner,
+        engine_module=engine_module,
+        builder=engine.builder,
+        graphs=runner.graphs,
+        cuda_graph_class=torch.cuda.CUDAGraph,
+        model=runner.model,
+        graph_inputs=runner.graphs and runner.graphs.inputs,
+        step_inputs_class=StepInputs,
+        outputs=engine.outputs,
+    )
     totals, originals = {}, []
     for label, owner_name, attr in PHASES:
         owner = owners[owner_name]
@@ -61,6 +70,7 @@ def host_breakdown(engine, steps: int) -> None:
                 return _fn(*a, **k)
             finally:
                 totals[_label] += time.perf_counter() - t0
+
         originals.append((owner, attr, attr in vars(owner), vars(owner).get(attr)))
         setattr(owner, attr, timed)
     trace, start = engine.start_trace(), time.perf_counter()
@@ -94,35 +104,52 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the decode step's kernels (per step) to this JSON file")
     args = ap.parse_args()
     model = args.model or random_qwen3_folder("/tmp/minivllm-qwen3-0.6b-random")
-    llm = LLM(model, skip_tokenizer_init=True, enforce_eager=args.eager, max_model_len=4096,
-              kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend)
+    llm = LLM(
+        model,
+        skip_tokenizer_init=True,
+        enforce_eager=args.eager,
+        max_model_len=4096,
+        kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
+    )
     engine = llm.llm_engine
     random.seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps * 4 + 64, ignore_eos=True)
     prefix = [random.randint(0, 10000) for _ in range(args.shared_prefix)]
     warm = [[random.randint(0, 10000) for _ in range(args.context)] for _ in range(2)]
-    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)   # kernels compiled before
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # kernels compiled before
     for _ in range(args.batch):
         engine.add_request(None, prefix + [random.randint(0, 10000) for _ in range(args.context)], params)
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:   # the first step: prompts only
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # the first step: prompts only
         engine.step()
         torch.cuda.synchronize()
     prefill_steps, prompt_lens = 1, prefill_composition(engine)
     events, prefill_us = prof.key_averages(), sum(t for _, t in kernel_totals(prof).values())
     bound_ms = prefill_bound_ms(engine, prompt_lens)
-    print(f"one prefill step ({sum(prompt_lens)} tokens of {len(prompt_lens)} prompts): GPU kernels "
-          f"{prefill_us / 1e3:.2f} ms against {bound_ms:.2f} ms for its matrix products and attention at "
-          f"{FLOPS / 1e12:.0f} TFLOP/s = {prefill_us / 1e3 / bound_ms:.2f}x")
-    prefill = dict(tokens=sum(prompt_lens), prompts=len(prompt_lens), gpu_ms=prefill_us / 1e3, bound_ms=bound_ms,
-                   kernels=kernel_rows(prof, 1))
+    print(
+        f"one prefill step ({sum(prompt_lens)} tokens of {len(prompt_lens)} prompts): GPU kernels "
+        f"{prefill_us / 1e3:.2f} ms against {bound_ms:.2f} ms for its matrix products and attention at "
+        f"{FLOPS / 1e12:.0f} TFLOP/s = {prefill_us / 1e3 / bound_ms:.2f}x"
+    )
+    prefill = dict(
+        tokens=sum(prompt_lens),
+        prompts=len(prompt_lens),
+        gpu_ms=prefill_us / 1e3,
+        bound_ms=bound_ms,
+        kernels=kernel_rows(prof, 1),
+    )
     print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running + list(engine.scheduler.waiting)):
+    while any(
+        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running + list(engine.scheduler.waiting)
+    ):
         engine.step()
         prefill_steps += 1
     torch.cuda.synchronize()
-    print(f"prefill of {args.batch} x {args.context} tokens: {prefill_steps} steps, {time.perf_counter() - start:.3f} s")
+    print(
+        f"prefill of {args.batch} x {args.context} tokens: {prefill_steps} steps, {time.perf_counter() - start:.3f} s"
+    )
     for _ in range(4):  # warm decode
         engine.step()
     torch.cuda.synchronize()
@@ -132,8 +159,10 @@ def main() -> None:
     torch.cuda.synchronize()
     waits, engine.trace = [r.wait for r in trace], None
     wall = (time.perf_counter() - start) / args.steps
-    print(f"decode at batch {len(engine.scheduler.running)}: {wall * 1e3:.2f} ms/step wall, "
-          f"host {(wall - sum(waits) / len(waits)) * 1e3:.2f} ms/step (wall minus the wait for the GPU)")
+    print(
+        f"decode at batch {len(engine.scheduler.running)}: {wall * 1e3:.2f} ms/step wall, "
+        f"host {(wall - sum(waits) / len(waits)) * 1e3:.2f} ms/step (wall minus the wait for the GPU)"
+    )
     host_breakdown(engine, args.steps)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
@@ -144,9 +173,11 @@ def main() -> None:
     gpu_total, kernels = sum(t for _, t in totals) / args.steps, sum(c for c, _ in totals) / args.steps
     layers = engine.config.hf_config.num_hidden_layers
     busy = busy_us(prof) / args.steps
-    print(f"GPU time per decode step (sum of kernels): {gpu_total / 1e3:.2f} ms; {kernels:.0f} kernels per step, "
-          f"{kernels / layers:.1f} per layer ({layers} layers); busy (their union: less where kernels launched early "
-          f"overlap) {busy / 1e3:.2f} ms")
+    print(
+        f"GPU time per decode step (sum of kernels): {gpu_total / 1e3:.2f} ms; {kernels:.0f} kernels per step, "
+        f"{kernels / layers:.1f} per layer ({layers} layers); busy (their union: less where kernels launched early "
+        f"overlap) {busy / 1e3:.2f} ms"
+    )
     print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
     if args.out:
@@ -154,7 +185,7 @@ def main() -> None:
     llm.close()
 
 
-FLOPS = 790e12   # the H200's dense bfloat16 matrix rate, as the bench's roofline takes it (--flops there)
+FLOPS = 790e12  # the H200's dense bfloat16 matrix rate, as the bench's roofline takes it (--flops there)
 
 
 def prefill_composition(engine) -> list[int]:
@@ -176,8 +207,11 @@ def prefill_bound_ms(engine, prompt_lens: list[int]) -> float:
 
 def kernel_events(prof) -> list:
     "The GPU kernels the profiler saw (copies and memsets left out)."
-    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-            and not e.name.startswith(("Memcpy", "Memset"))]
+    return [
+        e
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+    ]
 
 
 def kernel_totals(prof) -> dict[str, list[float]]:
@@ -201,16 +235,30 @@ def busy_us(prof) -> float:
 
 def kernel_rows(prof, steps: int) -> list[dict]:
     "Per step: each kernel's name, launches and GPU microseconds, the costliest first."
-    return sorted(({"name": n, "launches": c / steps, "us": t / steps} for n, (c, t) in kernel_totals(prof).items()),
-                  key=lambda r: -r["us"])
+    return sorted(
+        ({"name": n, "launches": c / steps, "us": t / steps} for n, (c, t) in kernel_totals(prof).items()),
+        key=lambda r: -r["us"],
+    )
 
 
 def write_kernels(args, prof, wall: float, layers: int, prefill: dict, busy: float) -> None:
     "The profiled decode steps' kernels per step, and the prefill step's (results file for notebooks 06 and 13)."
     with open(args.out, "w") as f:
-        json.dump(dict(batch=args.batch, context=args.context, steps=args.steps, layers=layers,
-                       decode_step_ms_wall=wall * 1e3, gpu_busy_ms_per_step=busy / 1e3, environment=environment(),
-                       kernels=kernel_rows(prof, args.steps), prefill_step=prefill), f, indent=1)
+        json.dump(
+            dict(
+                batch=args.batch,
+                context=args.context,
+                steps=args.steps,
+                layers=layers,
+                decode_step_ms_wall=wall * 1e3,
+                gpu_busy_ms_per_step=busy / 1e3,
+                environment=environment(),
+                kernels=kernel_rows(prof, args.steps),
+                prefill_step=prefill,
+            ),
+            f,
+            indent=1,
+        )
     print(f"kernels written to {args.out}")
 
 

@@ -10,6 +10,7 @@ imported, its stdout is captured as the cell's stream output, and `--merge` writ
 GPU cells that build on CPU cells before them: `--setup TEXT` also runs the CPU cells whose source contains TEXT (in
 notebook order, their output not kept), and then every cell shares one namespace.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,6 +28,7 @@ def run_cells(path: Path, match: str, setup: list[str] = ()) -> list[dict]:
     """Execute the GPU cells of `path` whose source contains `match` (after the CPU cells containing one of `setup`,
     all in one namespace then); their sources and printed text (no Jupyter)."""
     import torch
+
     results, shared = [], {"__name__": "__main__", "torch": torch}
     for cell in json.loads(path.read_text())["cells"]:
         source = "".join(cell["source"])
@@ -48,6 +50,7 @@ def run_cells(path: Path, match: str, setup: list[str] = ()) -> list[dict]:
 def merge(path: Path, results: list[dict]) -> int:
     "Store each result's text as the output of the cell of `path` with the same source."
     import nbformat
+
     nb, updated = nbformat.read(path, as_version=4), 0
     by_source = {r["source"]: r["text"] for r in results}
     for cell in nb.cells:
@@ -64,8 +67,12 @@ def main() -> None:
     ap.add_argument("--match", default="", help="run the GPU cells whose source contains this text")
     ap.add_argument("--out", type=Path, help="write the outputs here (JSON)")
     ap.add_argument("--merge", type=Path, help="a JSON file of outputs to store in the notebook")
-    ap.add_argument("--setup", action="append", default=[],
-                    help="first run the CPU cells whose source contains this text (repeatable; one shared namespace)")
+    ap.add_argument(
+        "--setup",
+        action="append",
+        default=[],
+        help="first run the CPU cells whose source contains this text (repeatable; one shared namespace)",
+    )
     args = ap.parse_args()
     if args.merge:
         print(f"{merge(args.notebook, json.loads(args.merge.read_text()))} cells updated")

@@ -7,6 +7,7 @@ Cells whose first line is `#| gpu` run only where CUDA is available; elsewhere t
 the outputs stored from a real GPU run (the root conftest.py skips them under nbval the same way).
 Each notebook runs in a fresh kernel of the current Python, from the notebook's own folder.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,13 @@ def run_notebook(path: Path, timeout: int = 1800, gpu: bool | None = None) -> No
     "Execute `path` cell by cell in a fresh kernel and write it back with its new outputs."
     gpu = cuda_available() if gpu is None else gpu
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=False,
-                            resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        allow_errors=False,
+        resources={"metadata": {"path": str(path.parent)}},
+    )
     count = 0
     with client.setup_kernel():
         for index, cell in enumerate(nb.cells):
@@ -36,7 +42,7 @@ def run_notebook(path: Path, timeout: int = 1800, gpu: bool | None = None) -> No
                 continue
             client.execute_cell(cell, index, execution_count=count + 1)
             count += 1
-        client.set_widgets_metadata()   # the widgets' state, so a player shows its controls before the kernel runs
+        client.set_widgets_metadata()  # the widgets' state, so a player shows its controls before the kernel runs
     nbformat.write(nb, path)
     print(f"ran {path} ({count} cells)")
 
@@ -56,9 +62,11 @@ def merge_gpu_outputs(path: Path, gpu_run: Path) -> int:
         if cell.cell_type == "code" and is_gpu_cell(cell.source):
             twin = by_source.get(cell.source)
             if twin is None:
-                raise ValueError(f"{path.name}: GPU cell {cell.get('id')} has no twin with the same source in {gpu_run}")
-            cell.outputs = [o for o in twin.outputs if not is_widget_view(o)]   # (a progress bar's widget state
-            cell.execution_count = twin.execution_count                          # stays behind: its text would do)
+                raise ValueError(
+                    f"{path.name}: GPU cell {cell.get('id')} has no twin with the same source in {gpu_run}"
+                )
+            cell.outputs = [o for o in twin.outputs if not is_widget_view(o)]  # (a progress bar's widget state
+            cell.execution_count = twin.execution_count  # stays behind: its text would do)
             updated += 1
     nbformat.write(nb, path)
     return updated
@@ -68,8 +76,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("notebooks", nargs="+", type=Path)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
-    ap.add_argument("--gpu-outputs-from", type=Path, default=None,
-                    help="a folder of the same notebooks executed on a GPU: copy their GPU cells' outputs here")
+    ap.add_argument(
+        "--gpu-outputs-from",
+        type=Path,
+        default=None,
+        help="a folder of the same notebooks executed on a GPU: copy their GPU cells' outputs here",
+    )
     args = ap.parse_args()
     for nb in args.notebooks:
         if args.gpu_outputs_from:

@@ -8,6 +8,7 @@ benchmark modules `bench*`) no larger than its budget: the redesign (project iss
 4,779 lines, and each later feature adds the lines it measured, listed in RUNTIME_BUDGET, so that growth is a
 decision someone wrote down, not drift.
 """
+
 from __future__ import annotations
 
 import ast
@@ -17,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_CELL, MAX_FILE, MAX_FUNCTION, MAX_KERNEL = 70, 300, 60, 80
-RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the project added, as measured when it landed
+RUNTIME_BUDGET = {  # lines of the runtime package: what each step of the project added, as measured when it landed
     "issue 12, the redesign: the size before it": 4779,
     "issue 14, vLLM's sampling fields (penalties, min_tokens, logit_bias, allowed ids, bad words with a device-side "
     "token history; n samples; prompt_logprobs; Logprob), checkpoint defaults, Hub ids": 583,
@@ -90,7 +91,7 @@ RUNTIME_BUDGET = {   # lines of the runtime package: what each step of the proje
     "nothing is queued); echo streamed": 168,
 }
 MAX_RUNTIME = sum(RUNTIME_BUDGET.values())
-COURSE_ONLY = ("viz", "bench")   # module name prefixes of the drawing and benchmark code
+COURSE_ONLY = ("viz", "bench")  # module name prefixes of the drawing and benchmark code
 
 
 def is_kernel(node: ast.FunctionDef) -> bool:
@@ -101,15 +102,24 @@ def is_kernel(node: ast.FunctionDef) -> bool:
 def functions(path: Path) -> list[tuple[int, str, int]]:
     "(lines, where, limit) of every function and method of a module."
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    return [(node.end_lineno - node.lineno + 1, f"{path.relative_to(ROOT)}:{node.lineno} {node.name}",
-             MAX_KERNEL if is_kernel(node) else MAX_FUNCTION)
-            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return [
+        (
+            node.end_lineno - node.lineno + 1,
+            f"{path.relative_to(ROOT)}:{node.lineno} {node.name}",
+            MAX_KERNEL if is_kernel(node) else MAX_FUNCTION,
+        )
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
 
 
 def code_cells(notebook: Path) -> list[tuple[int, str]]:
     cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
-    return [(len("".join(c["source"]).splitlines()), f"{notebook.name}[{i}]")
-            for i, c in enumerate(cells) if c["cell_type"] == "code"]
+    return [
+        (len("".join(c["source"]).splitlines()), f"{notebook.name}[{i}]")
+        for i, c in enumerate(cells)
+        if c["cell_type"] == "code"
+    ]
 
 
 def report() -> list[str]:
@@ -119,8 +129,10 @@ def report() -> list[str]:
     funcs = sorted((f for p in files for f in functions(p)), reverse=True)
     cells = sorted((c for nb in sorted((ROOT / "notebooks").glob("*.ipynb")) for c in code_cells(nb)), reverse=True)
     largest = sorted(files.items(), key=lambda item: -item[1])
-    print(f"package: {sum(files.values())} lines in {len(files)} files; runtime (all but viz*, bench*): {runtime} "
-          f"(limit {MAX_RUNTIME})")
+    print(
+        f"package: {sum(files.values())} lines in {len(files)} files; runtime (all but viz*, bench*): {runtime} "
+        f"(limit {MAX_RUNTIME})"
+    )
     print("largest files:", ", ".join(f"{p.relative_to(ROOT / 'minivllm')} {n}" for p, n in largest[:5]))
     print("longest functions:", ", ".join(f"{n} {where}" for n, where, _ in funcs[:5]))
     print("longest code cells:", ", ".join(f"{n} {where}" for n, where in cells[:5]))

@@ -337,8 +337,12 @@ def source_segment(lines: list[str], node: ast.AST) -> str:
     if first == last:
         return head[node.col_offset : node.end_col_offset].decode("utf-8")
     padding = re.sub(r"\S", " ", head[: node.col_offset].decode("utf-8"))
-    return padding + head[node.col_offset :].decode("utf-8") + "".join(lines[first + 1 : last]) + \
-        tail[: node.end_col_offset].decode("utf-8")
+    return (
+        padding
+        + head[node.col_offset :].decode("utf-8")
+        + "".join(lines[first + 1 : last])
+        + tail[: node.end_col_offset].decode("utf-8")
+    )
 
 
 def documented_definitions(text: str, path: str) -> list[Definition]:
@@ -359,8 +363,17 @@ def documented_definitions(text: str, path: str) -> list[Definition]:
             source = docstring and doc_summary(docstring) and source_segment(lines, child)
             if source:
                 kind = "class" if is_class else "method" if in_class else "function"
-                found.append(Definition(path, ".".join(outer + [child.name]), child.name, kind,
-                                        signature_of(child), doc_summary(docstring), textwrap.dedent(source).rstrip()))
+                found.append(
+                    Definition(
+                        path,
+                        ".".join(outer + [child.name]),
+                        child.name,
+                        kind,
+                        signature_of(child),
+                        doc_summary(docstring),
+                        textwrap.dedent(source).rstrip(),
+                    )
+                )
             visit(child, outer + [child.name], is_class)
 
     visit(tree, [], False)
@@ -368,13 +381,16 @@ def documented_definitions(text: str, path: str) -> list[Definition]:
 
 
 REQUEST_TEMPLATES = {
-    "function": ("Write a Python function `{signature}`: {doc}",
-                 "Implement `{signature}` in Python. {doc}",
-                 "Write `{signature}`. It should do this: {doc}"),
-    "method": ("Write the method `{signature}` of the class `{owner}`: {doc}",
-               "Implement `{owner}.{signature}` in Python. {doc}"),
-    "class": ("Write a Python class `{signature}`: {doc}",
-              "Implement the class `{signature}` in Python. {doc}"),
+    "function": (
+        "Write a Python function `{signature}`: {doc}",
+        "Implement `{signature}` in Python. {doc}",
+        "Write `{signature}`. It should do this: {doc}",
+    ),
+    "method": (
+        "Write the method `{signature}` of the class `{owner}`: {doc}",
+        "Implement `{owner}.{signature}` in Python. {doc}",
+    ),
+    "class": ("Write a Python class `{signature}`: {doc}", "Implement the class `{signature}` in Python. {doc}"),
 }
 
 
@@ -406,7 +422,7 @@ def answer_code(answer: str) -> str:
     start = answer.find("```python\n")
     if start < 0:
         return answer
-    code = answer[start + len("```python\n"):]
+    code = answer[start + len("```python\n") :]
     return code.split("```", 1)[0]
 
 
@@ -456,11 +472,16 @@ def conversations(tokenizer: Tokenizer, definitions: list[Definition]) -> tuple[
 
 def heldout_requests(tokenizer: Tokenizer, root: Path | None = None, n: int = CHAT_EVAL_REQUESTS) -> list[dict]:
     """``n`` requests from held-out files (fitting ``CHAT_MAX_TOKENS``), in a stable hash order."""
-    fitting = [d for d in split_definitions("heldout", root)
-               if sum(map(len, encode_conversation(tokenizer, d))) <= CHAT_MAX_TOKENS]
+    fitting = [
+        d
+        for d in split_definitions("heldout", root)
+        if sum(map(len, encode_conversation(tokenizer, d))) <= CHAT_MAX_TOKENS
+    ]
     fitting.sort(key=lambda d: stable_hash(f"{d.path}:{d.qualname}"))
-    return [{"path": d.path, "qualname": d.qualname, "name": d.name, "kind": d.kind,
-             "request": chat_request(d)} for d in fitting[:n]]
+    return [
+        {"path": d.path, "qualname": d.qualname, "name": d.name, "kind": d.kind, "request": chat_request(d)}
+        for d in fitting[:n]
+    ]
 
 
 # --------------------------------------------------------------------------
@@ -497,10 +518,17 @@ def prepare(build: Path) -> dict:
     np.save(build / CHAT_SPANS, spans)
     requests = heldout_requests(bpe)
     (build / CHAT_HELDOUT).write_text(json.dumps(requests, indent=1) + "\n")
-    meta["chat"] = {"definitions": len(definitions), "conversations": len(spans), "tokens": int(len(chat_ids)),
-                    "answer_tokens": int((spans[:, 2] - spans[:, 1]).sum()), "heldout_requests": len(requests)}
-    print(f"chat: {len(spans):,} of {len(definitions):,} documented definitions fit {CHAT_MAX_TOKENS} tokens "
-          f"({len(chat_ids):,} tokens); {len(requests)} held-out requests")
+    meta["chat"] = {
+        "definitions": len(definitions),
+        "conversations": len(spans),
+        "tokens": int(len(chat_ids)),
+        "answer_tokens": int((spans[:, 2] - spans[:, 1]).sum()),
+        "heldout_requests": len(requests),
+    }
+    print(
+        f"chat: {len(spans):,} of {len(definitions):,} documented definitions fit {CHAT_MAX_TOKENS} tokens "
+        f"({len(chat_ids):,} tokens); {len(requests)} held-out requests"
+    )
     (build / META).write_text(json.dumps(meta, indent=2) + "\n")
     print(f"prepare done in {time.time() - start:.0f}s -> {build} ({folder_size(build) / 1e6:.1f} MB)")
     return meta
@@ -629,8 +657,7 @@ def add_dropout(model: torch.nn.Module, p: float):
             layer.self_attn.attention_dropout = q
 
     for layer in model.model.layers:
-        layer.self_attn.register_forward_hook(
-            lambda m, args, out: (F.dropout(out[0], rate["p"], m.training), *out[1:]))
+        layer.self_attn.register_forward_hook(lambda m, args, out: (F.dropout(out[0], rate["p"], m.training), *out[1:]))
         layer.mlp.register_forward_hook(lambda m, args, out: F.dropout(out, rate["p"], m.training))
     set_rate(p)
     return set_rate
@@ -646,8 +673,9 @@ def next_token_loss(
 ) -> torch.Tensor:
     """Cross-entropy (nats) of ``targets`` given ``inputs``; logits in float32."""
     logits = model(input_ids=inputs, use_cache=False).logits.float()
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction,
-                           ignore_index=IGNORE)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction, ignore_index=IGNORE
+    )
 
 
 def train_model(model: torch.nn.Module, data: dict, cfg: TrainConfig, device: torch.device) -> float:
@@ -664,9 +692,9 @@ def train_model(model: torch.nn.Module, data: dict, cfg: TrainConfig, device: to
     ema = None
     running, t_log, t_start = 0.0, time.time(), time.time()
     for step in range(cfg.steps):
-        if cfg.ema and step == cfg.ema_start:   # the average starts from the weights before this step
+        if cfg.ema and step == cfg.ema_start:  # the average starts from the weights before this step
             ema = [p.detach().clone() for p in model.parameters()]
-        if ema is not None and cfg.ema_until and step == cfg.ema_until:   # the average becomes the weights
+        if ema is not None and cfg.ema_until and step == cfg.ema_until:  # the average becomes the weights
             use_average(model, ema, heldout[: 64 * cfg.seq_len], device, cfg.seq_len)
             model.train()
             ema = None
@@ -708,8 +736,9 @@ def train_model(model: torch.nn.Module, data: dict, cfg: TrainConfig, device: to
     return seconds
 
 
-def use_average(model: torch.nn.Module, ema: list[torch.Tensor], heldout: torch.Tensor, device: torch.device,
-                window: int = SEQ_LEN) -> None:
+def use_average(
+    model: torch.nn.Module, ema: list[torch.Tensor], heldout: torch.Tensor, device: torch.device, window: int = SEQ_LEN
+) -> None:
     """Replace the model's weights by their moving average, printing the held-out CE of both."""
     with autocast(device):
         last = model_cross_entropy(model, heldout, window)
@@ -790,16 +819,23 @@ def model_bits_per_byte(model: torch.nn.Module, ids: torch.Tensor, nbytes: torch
 ANSWER_DTYPE = {"cpu": "float32", "cuda": "bfloat16"}  # how minivllm answers the held-out requests
 
 
-def answer_requests(model_dir: Path, requests: list[dict], device: str = "cpu", max_tokens: int = CHAT_ANSWER_TOKENS,
-                    ) -> list[str]:
+def answer_requests(
+    model_dir: Path,
+    requests: list[dict],
+    device: str = "cpu",
+    max_tokens: int = CHAT_ANSWER_TOKENS,
+) -> list[str]:
     """Greedy answers of the saved model (through minivllm) to each request, as one-turn chats."""
     from minivllm import LLM, SamplingParams
 
     # On a GPU: a fixed small cache, so that several runs can share the card.
     sizing = {"dtype": ANSWER_DTYPE[device]} | ({} if device == "cpu" else {"num_kvcache_blocks": 4096})
     with LLM(str(model_dir), device=device, **sizing) as llm:
-        outputs = llm.chat([[{"role": "user", "content": r["request"]}] for r in requests],
-                           SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+        outputs = llm.chat(
+            [[{"role": "user", "content": r["request"]}] for r in requests],
+            SamplingParams(temperature=0.0, max_tokens=max_tokens),
+            use_tqdm=False,
+        )
     return [o.outputs[0].text for o in outputs]
 
 
@@ -841,18 +877,23 @@ def evaluate(model_dir: Path, build: Path, max_tokens: int | None = None, answer
         f"ratio {result['ratio_to_unigram_heldout']:.3f} (test needs <= 0.6)"
     )
     result["sample_bits_per_byte"] = model_bits_per_byte(model, sample_windows(all_heldout), nbytes)
-    print(f"held-out bits per byte {result['bits_per_byte']:.4f}; on the tests' sample of {SAMPLE_WINDOWS} windows "
-          f"{result['sample_bits_per_byte']:.4f}")
+    print(
+        f"held-out bits per byte {result['bits_per_byte']:.4f}; on the tests' sample of {SAMPLE_WINDOWS} windows "
+        f"{result['sample_bits_per_byte']:.4f}"
+    )
     if answer_device != "none":
         requests = json.loads((build / CHAT_HELDOUT).read_text())
         start = time.time()
         answers = answer_requests(model_dir, requests, answer_device)
         result["answer_share"] = answer_share(requests, answers)
         result["answer_device"], result["answer_dtype"] = answer_device, ANSWER_DTYPE[answer_device]
-        result["answers"] = [{"request": r["request"], "answer": a, "defines": defines(a, r["name"])}
-                             for r, a in zip(requests, answers)]
-        print(f"held-out requests: {result['answer_share']:.0%} of {len(requests)} greedy answers parse and define "
-              f"the name asked for ({time.time() - start:.0f}s on {answer_device})")
+        result["answers"] = [
+            {"request": r["request"], "answer": a, "defines": defines(a, r["name"])} for r, a in zip(requests, answers)
+        ]
+        print(
+            f"held-out requests: {result['answer_share']:.0%} of {len(requests)} greedy answers parse and define "
+            f"the name asked for ({time.time() - start:.0f}s on {answer_device})"
+        )
     return result
 
 
@@ -894,7 +935,9 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: 
     eos_id = model.config.eos_token_id
     # Like Qwen's checkpoints: generation also ends at the end of a chat turn.
     model.generation_config = GenerationConfig(
-        bos_token_id=eos_id, eos_token_id=[eos_id, tokenizer.convert_tokens_to_ids(IM_END)], pad_token_id=eos_id,
+        bos_token_id=eos_id,
+        eos_token_id=[eos_id, tokenizer.convert_tokens_to_ids(IM_END)],
+        pad_token_id=eos_id,
         do_sample=False,
     )
     model.to(torch.bfloat16).save_pretrained(out)
@@ -909,53 +952,70 @@ def training_environment(device: torch.device) -> str:
     return f"{device.type}{name}, torch {torch.__version__}, transformers {transformers.__version__}"
 
 
-def write_model_card(out: Path, meta: dict, cfg: TrainConfig, device: torch.device, result: dict,
-                     n_params: int, config: dict, environment: str, seconds: float) -> None:
+def write_model_card(
+    out: Path,
+    meta: dict,
+    cfg: TrainConfig,
+    device: torch.device,
+    result: dict,
+    n_params: int,
+    config: dict,
+    environment: str,
+    seconds: float,
+) -> None:
     """A short README.md saying how the folder was made (``environment``: ``training_environment``; ``seconds``:
     the training loop's time) and how well it does."""
     c = config
     previous = PREVIOUS_MODEL_BITS_PER_BYTE["all"]
     answers = ""
     if "answer_share" in result:
-        answers = (f"\n- Held-out requests ({len(result['answers'])}, from files never trained on): "
-                   f"{result['answer_share']:.0%} of the greedy answers (minivllm, {result['answer_dtype']} on "
-                   f"{result['answer_device']}) parse as Python and define the function or class asked for.")
+        answers = (
+            f"\n- Held-out requests ({len(result['answers'])}, from files never trained on): "
+            f"{result['answer_share']:.0%} of the greedy answers (minivllm, {result['answer_dtype']} on "
+            f"{result['answer_device']}) parse as Python and define the function or class asked for."
+        )
     chat_dropout = "" if cfg.chat_dropout is None else f" ({cfg.chat_dropout:g} in the chat stage)"
     since = f" from step {cfg.ema_start}" if cfg.ema_start else ""
     average = f"a moving average of the weights (decay {cfg.ema:g}{since})"
-    average = (f"{average} replacing them at step {cfg.ema_until}, trained on from there, " if cfg.ema_until
-               else f"saved as {average}, ")
+    average = (
+        f"{average} replacing them at step {cfg.ema_until}, trained on from there, "
+        if cfg.ema_until
+        else f"saved as {average}, "
+    )
     how = (average if cfg.ema else "") + ("torch.compile, " if cfg.compile else "")
-    flags = ("" if cfg.chat_dropout is None else f" --chat-dropout {cfg.chat_dropout:g}") + \
-        (f" --ema {cfg.ema:g}" if cfg.ema else "") + (f" --ema-start {cfg.ema_start}" if cfg.ema_start else "") + \
-        (f" --ema-until {cfg.ema_until}" if cfg.ema_until else "") + \
-        ("" if cfg.min_lr_ratio == TrainConfig.min_lr_ratio else f" --min-lr-ratio {cfg.min_lr_ratio:g}") + \
-        (" --compile" if cfg.compile else "")
+    flags = (
+        ("" if cfg.chat_dropout is None else f" --chat-dropout {cfg.chat_dropout:g}")
+        + (f" --ema {cfg.ema:g}" if cfg.ema else "")
+        + (f" --ema-start {cfg.ema_start}" if cfg.ema_start else "")
+        + (f" --ema-until {cfg.ema_until}" if cfg.ema_until else "")
+        + ("" if cfg.min_lr_ratio == TrainConfig.min_lr_ratio else f" --min-lr-ratio {cfg.min_lr_ratio:g}")
+        + (" --compile" if cfg.compile else "")
+    )
     card = f"""# tiny-qwen3
 
 A {n_params / 1e6:.1f}M-parameter `Qwen3ForCausalLM` trained from scratch for the minivllm
-course on the source code of the Python {meta['python']} standard library, then taught to
+course on the source code of the Python {meta["python"]} standard library, then taught to
 answer a request for a function or class with its code.
 Made by `tools/train_tiny_qwen3.py` (see its docstring); do not edit by hand.
 
-- Architecture: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, MLP {c['intermediate_size']},
-  {c['num_attention_heads']} query / {c['num_key_value_heads']} KV heads of dim {c['head_dim']},
-  q/k RMSNorm, tied embeddings, RoPE theta {c['rope_parameters']['rope_theta']:g}.
-- Tokenizer: byte-level BPE, vocab {c['vocab_size']}; `<|endoftext|>` is eos and pad;
+- Architecture: {c["num_hidden_layers"]} layers, hidden {c["hidden_size"]}, MLP {c["intermediate_size"]},
+  {c["num_attention_heads"]} query / {c["num_key_value_heads"]} KV heads of dim {c["head_dim"]},
+  q/k RMSNorm, tied embeddings, RoPE theta {c["rope_parameters"]["rope_theta"]:g}.
+- Tokenizer: byte-level BPE, vocab {c["vocab_size"]}; `<|endoftext|>` is eos and pad;
   ChatML `<|im_start|>` / `<|im_end|>` and chat template; generation stops at either.
-- Corpus: {meta['train']['files']} train files ({meta['train']['tokens']:,} tokens);
-  {meta['heldout']['files']} files held out by path hash ({meta['heldout']['tokens']:,} tokens);
-  {meta['chat']['conversations']:,} conversations from the train files' documented definitions.
+- Corpus: {meta["train"]["files"]} train files ({meta["train"]["tokens"]:,} tokens);
+  {meta["heldout"]["files"]} files held out by path hash ({meta["heldout"]["tokens"]:,} tokens);
+  {meta["chat"]["conversations"]:,} conversations from the train files' documented definitions.
 - Training: seed {cfg.seed}, {cfg.steps} steps x batch {cfg.batch_size} x {cfg.seq_len} tokens
   (the last {cfg.chat_steps} with {cfg.chat_fraction:.0%} conversations), dropout {cfg.dropout:g}{chat_dropout},
   AdamW lr {cfg.lr:g} (warmup {cfg.warmup_steps}, cosine to {cfg.min_lr_ratio:g}x), {how}on
   {environment}: {seconds:.0f} s.
-- Held-out cross-entropy, nats/token over {result['eval_tokens']:,} tokens (bf16 weights run in float32):
-  model **{result['model_ce']:.3f}**; unigram from train counts with add-one smoothing
-  {result['unigram_train_add_one_ce']:.3f}; unigram fit on the evaluated tokens themselves
-  {result['unigram_heldout_ce']:.3f} (model / unigram = {result['ratio_to_unigram_heldout']:.3f}).
-- Held-out bits per byte: **{result['bits_per_byte']:.4f}** (the previous 5.0M model: {previous:.4f};
-  {1 - result['bits_per_byte'] / previous:.1%} lower).{answers}
+- Held-out cross-entropy, nats/token over {result["eval_tokens"]:,} tokens (bf16 weights run in float32):
+  model **{result["model_ce"]:.3f}**; unigram from train counts with add-one smoothing
+  {result["unigram_train_add_one_ce"]:.3f}; unigram fit on the evaluated tokens themselves
+  {result["unigram_heldout_ce"]:.3f} (model / unigram = {result["ratio_to_unigram_heldout"]:.3f}).
+- Held-out bits per byte: **{result["bits_per_byte"]:.4f}** (the previous 5.0M model: {previous:.4f};
+  {1 - result["bits_per_byte"] / previous:.1%} lower).{answers}
 
 Rebuild:
 
@@ -969,8 +1029,15 @@ python tools/train_tiny_qwen3.py train --build build/tiny --out minivllm/data/ti
     (out / "README.md").write_text(card)
 
 
-def train(build: Path, out: Path, device_name: str, cfg: TrainConfig, eval_tokens: int | None,
-          overrides: dict | None = None, answers_on: str | None = None) -> dict:
+def train(
+    build: Path,
+    out: Path,
+    device_name: str,
+    cfg: TrainConfig,
+    eval_tokens: int | None,
+    overrides: dict | None = None,
+    answers_on: str | None = None,
+) -> dict:
     """Train from the build folder, save to ``out``, evaluate the saved folder."""
     device = resolve_device(device_name)
     if device.type == "cuda":
@@ -978,13 +1045,17 @@ def train(build: Path, out: Path, device_name: str, cfg: TrainConfig, eval_token
         torch.backends.cudnn.allow_tf32 = True
     meta = json.loads((build / META).read_text())
     tokenizer = load_tokenizer(build / TOKENIZER_DIR)
-    data = {name: load_ids(build / file).to(device) for name, file in
-            (("train", TRAIN_IDS), ("heldout", HELDOUT_IDS), ("chat", CHAT_IDS))}
+    data = {
+        name: load_ids(build / file).to(device)
+        for name, file in (("train", TRAIN_IDS), ("heldout", HELDOUT_IDS), ("chat", CHAT_IDS))
+    }
     data["spans"] = torch.from_numpy(np.load(build / CHAT_SPANS))
     model = build_model(tokenizer.eos_token_id, cfg.seed, overrides).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f}M parameters on {device}; train tokens {len(data['train']):,}; "
-          f"{len(data['spans']):,} conversations; {asdict(cfg)}")
+    print(
+        f"model: {n_params / 1e6:.2f}M parameters on {device}; train tokens {len(data['train']):,}; "
+        f"{len(data['spans']):,} conversations; {asdict(cfg)}"
+    )
     seconds = train_model(model, data, cfg, device)
     environment = training_environment(device)
     save_model(model.cpu(), tokenizer, out)
@@ -1003,7 +1074,8 @@ def train(build: Path, out: Path, device_name: str, cfg: TrainConfig, eval_token
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Subcommands prepare / train / eval / all."""
     parser = argparse.ArgumentParser(
-        description="Build minivllm's embedded tiny Qwen3 model (see the module docstring).")
+        description="Build minivllm's embedded tiny Qwen3 model (see the module docstring)."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     defaults = TrainConfig()
 
@@ -1025,21 +1097,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("--dropout", type=float, default=defaults.dropout)
         p.add_argument("--chat-dropout", type=float, default=None, help="dropout in the chat stage (default: same)")
         p.add_argument("--compile", action="store_true", help="torch.compile the training forward")
-        p.add_argument("--ema", type=float, default=defaults.ema,
-                       help="save a moving average of the weights with this decay, e.g. 0.999 (0: the last weights)")
-        p.add_argument("--ema-start", type=int, default=defaults.ema_start,
-                       help="the step the moving average starts from (e.g. the chat stage's first: steps - chat steps)")
-        p.add_argument("--ema-until", type=int, default=defaults.ema_until,
-                       help="at this step the average replaces the weights, which train on from it (0: at the end)")
-        p.add_argument("--min-lr-ratio", type=float, default=defaults.min_lr_ratio,
-                       help="the cosine schedule ends at lr x this")
-        p.add_argument("--model-config", type=json.loads, default=None,
-                       help="JSON object overriding MODEL_CONFIG's fields (for experiments)")
+        p.add_argument(
+            "--ema",
+            type=float,
+            default=defaults.ema,
+            help="save a moving average of the weights with this decay, e.g. 0.999 (0: the last weights)",
+        )
+        p.add_argument(
+            "--ema-start",
+            type=int,
+            default=defaults.ema_start,
+            help="the step the moving average starts from (e.g. the chat stage's first: steps - chat steps)",
+        )
+        p.add_argument(
+            "--ema-until",
+            type=int,
+            default=defaults.ema_until,
+            help="at this step the average replaces the weights, which train on from it (0: at the end)",
+        )
+        p.add_argument(
+            "--min-lr-ratio", type=float, default=defaults.min_lr_ratio, help="the cosine schedule ends at lr x this"
+        )
+        p.add_argument(
+            "--model-config",
+            type=json.loads,
+            default=None,
+            help="JSON object overriding MODEL_CONFIG's fields (for experiments)",
+        )
 
     def add_eval(p: argparse.ArgumentParser) -> None:
         p.add_argument("--eval-tokens", type=int, default=None, help="first N held-out tokens (default: all)")
-        p.add_argument("--answer-device", choices=("cpu", "cuda", "none"), default=None,
-                       help="where minivllm answers the held-out requests (default: the training device; eval: cpu)")
+        p.add_argument(
+            "--answer-device",
+            choices=("cpu", "cuda", "none"),
+            default=None,
+            help="where minivllm answers the held-out requests (default: the training device; eval: cpu)",
+        )
 
     add_build(sub.add_parser("prepare", help="corpus, tokenizer and token ids (CPU)"))
     for name, help_text in (("train", "train from a build folder, save and evaluate"), ("all", "prepare + train")):
@@ -1060,8 +1153,10 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     if args.ema and not 0 <= args.ema_start < args.steps:
         raise SystemExit(f"--ema-start must be a step of the run, in [0, {args.steps}), got {args.ema_start}")
     if args.ema_until and not (args.ema and args.ema_start < args.ema_until < args.steps):
-        raise SystemExit(f"--ema-until needs --ema and a step after --ema-start and before --steps "
-                         f"({args.ema_start} < step < {args.steps}), got {args.ema_until}")
+        raise SystemExit(
+            f"--ema-until needs --ema and a step after --ema-start and before --steps "
+            f"({args.ema_start} < step < {args.steps}), got {args.ema_until}"
+        )
     return TrainConfig(
         steps=args.steps,
         batch_size=args.batch_size,
@@ -1088,8 +1183,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.command in ("prepare", "all"):
         prepare(args.build)
     if args.command in ("train", "all"):
-        train(args.build, args.out, args.device, train_config(args), args.eval_tokens, args.model_config,
-              args.answer_device)
+        train(
+            args.build,
+            args.out,
+            args.device,
+            train_config(args),
+            args.eval_tokens,
+            args.model_config,
+            args.answer_device,
+        )
     if args.command == "eval":
         result = evaluate(args.model, args.build, args.eval_tokens, args.answer_device or "cpu")
         if args.json:

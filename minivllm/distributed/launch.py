@@ -13,11 +13,11 @@ import torch.distributed as dist
 from .parallel_state import TPGroup
 
 COMM_ENV = {
-    "NCCL_NVLS_ENABLE": "0",                    # no NVLink multicast (NVLS) in NCCL's all-reduce
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",    # nor in PyTorch's symmetric memory
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",     # on a NCCL error, abort the communicator but never kill the process
+    "NCCL_NVLS_ENABLE": "0",  # no NVLink multicast (NVLS) in NCCL's all-reduce
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",  # nor in PyTorch's symmetric memory
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # on a NCCL error, abort the communicator but never kill the process
 }
-IDLE_TIMEOUT = timedelta(days=365)   # ranks wait for the next step as long as the engine lives
+IDLE_TIMEOUT = timedelta(days=365)  # ranks wait for the next step as long as the engine lives
 
 
 def set_comm_env() -> None:
@@ -25,14 +25,26 @@ def set_comm_env() -> None:
     for name, value in COMM_ENV.items():
         os.environ.setdefault(name, value)
 
+
 # %% auto #0
-__all__ = ['COMM_ENV', 'IDLE_TIMEOUT', 'set_comm_env', 'TorchrunEnv', 'torchrun_env', 'master_store', 'torchrun_store',
-           'join_group', 'leave_group']
+__all__ = [
+    "COMM_ENV",
+    "IDLE_TIMEOUT",
+    "set_comm_env",
+    "TorchrunEnv",
+    "torchrun_env",
+    "master_store",
+    "torchrun_store",
+    "join_group",
+    "leave_group",
+]
+
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #7a9624e4
 @dataclass(frozen=True)
 class TorchrunEnv:
     "The place torchrun gave this process: its rank among `world_size`, and its GPU on this host."
+
     rank: int
     world_size: int
     local_rank: int
@@ -51,8 +63,13 @@ def master_store(world_size: int, timeout: timedelta = timedelta(minutes=5)) -> 
 
 def torchrun_store() -> dist.Store:
     "A client of the store torchrun's agent serves, with keys of minivllm's own (the ranks report failures there)."
-    return dist.PrefixStore("minivllm/", dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                                       is_master=False, timeout=timedelta(seconds=60)))
+    return dist.PrefixStore(
+        "minivllm/",
+        dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
+        ),
+    )
+
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #eeeb9df0
 def join_group(rank: int, size: int, device: torch.device, store: dist.Store | None = None) -> TPGroup:
@@ -61,7 +78,7 @@ def join_group(rank: int, size: int, device: torch.device, store: dist.Store | N
         where = dict(store=store) if store is not None else dict(init_method="env://")
         dist.init_process_group("gloo", rank=rank, world_size=size, timeout=IDLE_TIMEOUT, **where)
         control = dist.group.WORLD
-    else:   # torchrun, and the script made its own world: a gloo group of our own beside it
+    else:  # torchrun, and the script made its own world: a gloo group of our own beside it
         control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     device_group = dist.new_group(backend="nccl", device_id=device) if device.type == "cuda" else control
     return TPGroup(rank, size, device_group, control)

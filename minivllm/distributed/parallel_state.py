@@ -12,18 +12,20 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class TPGroup:
     "A model's tensor-parallel group, explicit (engines may share a process); without groups: which slice to build."
+
     rank: int = 0
     size: int = 1
-    device_group: dist.ProcessGroup | None = None    # the model's collectives: NCCL between GPUs, gloo between CPUs
-    control_group: dist.ProcessGroup | None = None   # the steps' host arrays, from rank 0 to the others (gloo)
+    device_group: dist.ProcessGroup | None = None  # the model's collectives: NCCL between GPUs, gloo between CPUs
+    control_group: dist.ProcessGroup | None = None  # the steps' host arrays, from rank 0 to the others (gloo)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
-            raise ValueError(f"tensor-parallel rank must be in [0, size) and size >= 1, got rank {self.rank} of "
-                             f"size {self.size}")
+            raise ValueError(
+                f"tensor-parallel rank must be in [0, size) and size >= 1, got rank {self.rank} of size {self.size}"
+            )
 
 
-SINGLE = TPGroup()   # one process holds the whole model
+SINGLE = TPGroup()  # one process holds the whole model
 
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:
@@ -31,8 +33,10 @@ def divide(numerator: int, denominator: int, what: str = "size") -> int:
         raise ValueError(f"{what} ({numerator}) must be divisible by the tensor-parallel size ({denominator})")
     return numerator // denominator
 
+
 # %% auto #0
-__all__ = ['SINGLE', 'TPGroup', 'divide', 'all_reduce', 'all_gather_last_dim', 'broadcast']
+__all__ = ["SINGLE", "TPGroup", "divide", "all_reduce", "all_gather_last_dim", "broadcast"]
+
 
 # %% ../../notebooks/04_layers.ipynb #7f63cb7b
 def all_reduce(x: torch.Tensor, tp: TPGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .parallel_state import TPGroup
 
 STOP, STEP = 0, 1
-HEADER_WORDS = 10   # command, payload bytes, then the step's own header (8 words)
+HEADER_WORDS = 10  # command, payload bytes, then the step's own header (8 words)
 
 
 def send_step(header: list[int], payload: np.ndarray, tp: TPGroup) -> None:
@@ -46,5 +46,6 @@ def recv_step(tp: TPGroup) -> tuple[list[int], np.ndarray] | None:
     dist.broadcast(payload, group=tp.control_group, group_src=0)
     return header, payload.numpy()
 
+
 # %% auto #0
-__all__ = ['STOP', 'STEP', 'HEADER_WORDS', 'send_step', 'confirm_step', 'send_stop', 'recv_step']
+__all__ = ["STOP", "STEP", "HEADER_WORDS", "send_step", "confirm_step", "send_stop", "recv_step"]

@@ -13,21 +13,24 @@ import xxhash
 from .sequence import Sequence
 
 # %% auto #0
-__all__ = ['Block', 'FreeBlockQueue', 'hash_block_bytes', 'compute_block_hash', 'BlockManager', 'PrefixMatch']
+__all__ = ["Block", "FreeBlockQueue", "hash_block_bytes", "compute_block_hash", "BlockManager", "PrefixMatch"]
+
 
 # %% ../../notebooks/02_block_manager.ipynb #936cb4bf
 class Block:
     "One physical KV-cache block: how many sequences use it and, once full and computed, what it holds."
+
     __slots__ = ("block_id", "ref_count", "hash", "token_ids")
 
     def __init__(self, block_id: int):
         self.block_id, self.ref_count = block_id, 0
-        self.hash = -1                    # prefix-cache key while the block holds a registered full block
-        self.token_ids: list[int] = []    # the tokens it holds, to confirm a prefix-cache hit
+        self.hash = -1  # prefix-cache key while the block holds a registered full block
+        self.token_ids: list[int] = []  # the tokens it holds, to confirm a prefix-cache hit
 
     def __repr__(self) -> str:
         cached = f", cached {self.token_ids}" if self.hash != -1 else ""
         return f"Block({self.block_id}, ref_count={self.ref_count}{cached})"
+
 
 # %% ../../notebooks/02_block_manager.ipynb #602819a8
 class FreeBlockQueue:
@@ -61,6 +64,7 @@ class FreeBlockQueue:
         "Take one particular block out, in O(1): a prefix-cache hit on a free block."
         del self._ids[block_id]
 
+
 # %% ../../notebooks/02_block_manager.ipynb #d52de56a
 def hash_block_bytes(data: bytes, prefix_hash: int = -1) -> int:
     "xxh64 of the previous block's hash (if any) and a block's token ids, given as int64 bytes."
@@ -70,7 +74,8 @@ def hash_block_bytes(data: bytes, prefix_hash: int = -1) -> int:
 
 def compute_block_hash(token_ids: list[int], prefix_hash: int = -1) -> int:
     "Chained hash of one full block: xxh64 of the previous block's hash (if any) and the block's token ids."
-    return hash_block_bytes(array("q", token_ids).tobytes(), prefix_hash)   # the ids as int64 bytes
+    return hash_block_bytes(array("q", token_ids).tobytes(), prefix_hash)  # the ids as int64 bytes
+
 
 # %% ../../notebooks/02_block_manager.ipynb #ffb6ae52
 class BlockManager:
@@ -81,11 +86,13 @@ class BlockManager:
         self.blocks, self.free_blocks = [Block(i) for i in range(num_blocks)], FreeBlockQueue(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache at admission
-        self.prefix_cache_hits = 0     # of those, tokens found there
+        self.prefix_cache_hits = 0  # of those, tokens found there
 
     def __repr__(self) -> str:
-        return (f"BlockManager({self.num_blocks} blocks of {self.block_size}, {self.num_free_blocks} free, "
-                f"{len(self.hash_to_block_id)} cached)")
+        return (
+            f"BlockManager({self.num_blocks} blocks of {self.block_size}, {self.num_free_blocks} free, "
+            f"{len(self.hash_to_block_id)} cached)"
+        )
 
     @property
     def num_free_blocks(self) -> int:
@@ -106,21 +113,23 @@ class BlockManager:
         "The chained hashes of the sequence's first `num_blocks` full blocks (computed once each, kept on the sequence)."
         hashes, bs = seq.block_hashes, self.block_size
         start, end = len(hashes), min(num_blocks, seq.num_full_blocks)
-        data, width = array("q", seq.token_ids[start * bs:end * bs]).tobytes(), 8 * bs   # the new blocks, in one call
-        for offset in range(0, len(data), width):   # = compute_block_hash(seq.block(i), previous hash), block by block
-            hashes.append(hash_block_bytes(data[offset:offset + width], hashes[-1] if hashes else -1))
+        data, width = array("q", seq.token_ids[start * bs : end * bs]).tobytes(), 8 * bs  # the new blocks, in one call
+        for offset in range(0, len(data), width):  # = compute_block_hash(seq.block(i), previous hash), block by block
+            hashes.append(hash_block_bytes(data[offset : offset + width], hashes[-1] if hashes else -1))
         return hashes
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         "The sequence's leading full blocks found in the prefix cache, leaving at least one token to compute."
         if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
-            return PrefixMatch([], 0)   # (a request that wants its prompt's log-probabilities computes every token)
+            return PrefixMatch([], 0)  # (a request that wants its prompt's log-probabilities computes every token)
         bs, tokens = self.block_size, seq.token_ids
-        num_full = (seq.num_tokens - 1) // bs   # the last token is always computed: its logits are needed
+        num_full = (seq.num_tokens - 1) // bs  # the last token is always computed: its logits are needed
         hashes, hits = self.block_hashes(seq, num_full), []
         for i, h in enumerate(hashes[:num_full]):
             block_id = self.hash_to_block_id.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens[i * bs:(i + 1) * bs]:   # (a collision: a miss)
+            if (
+                block_id is None or self.blocks[block_id].token_ids != tokens[i * bs : (i + 1) * bs]
+            ):  # (a collision: a miss)
                 break
             hits.append(block_id)
         return PrefixMatch(hits, len(hits) * bs)
@@ -128,7 +137,7 @@ class BlockManager:
     # %% ../../notebooks/02_block_manager.ipynb #34b2e3e0
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, match: PrefixMatch | None = None) -> int:
         "Free blocks `allocate` takes: for tokens past the computed (or `match`ed) ones, and a match's free cache hits."
-        if match is None:   # a running sequence: it holds its blocks
+        if match is None:  # a running sequence: it holds its blocks
             return max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table))
         free_hits = sum(self.blocks[b].ref_count == 0 for b in match.block_ids)
         return free_hits + -(-(match.num_tokens + num_new_tokens) // self.block_size) - len(match.block_ids)
@@ -154,8 +163,10 @@ class BlockManager:
     def reserve(self, seq: Sequence, num_tokens: int) -> None:
         missing = -(-num_tokens // self.block_size) - len(seq.block_table)
         if missing > self.num_free_blocks:
-            raise RuntimeError(f"out of KV-cache blocks: sequence {seq.seq_id} needs {missing}, "
-                               f"{self.num_free_blocks} are free (check can_allocate first)")
+            raise RuntimeError(
+                f"out of KV-cache blocks: sequence {seq.seq_id} needs {missing}, "
+                f"{self.num_free_blocks} are free (check can_allocate first)"
+            )
         for _ in range(missing):
             block = self.blocks[self.free_blocks.pop()]
             self._uncache(block)
@@ -197,10 +208,13 @@ class BlockManager:
         problems = []
         for block in self.blocks:
             if block.ref_count < 0 or (block.ref_count == 0) != (block.block_id in self.free_blocks):
-                problems.append(f"block {block.block_id} has ref_count {block.ref_count} but is "
-                                f"{'' if block.block_id in self.free_blocks else 'not '}in the free list")
-            if block.hash != -1 and (self.hash_to_block_id.get(block.hash) != block.block_id
-                                     or len(block.token_ids) != self.block_size):
+                problems.append(
+                    f"block {block.block_id} has ref_count {block.ref_count} but is "
+                    f"{'' if block.block_id in self.free_blocks else 'not '}in the free list"
+                )
+            if block.hash != -1 and (
+                self.hash_to_block_id.get(block.hash) != block.block_id or len(block.token_ids) != self.block_size
+            ):
                 problems.append(f"block {block.block_id} is cached but not registered as such")
         if len(self.hash_to_block_id) != sum(b.hash != -1 for b in self.blocks):
             problems.append("the prefix cache names blocks that do not hold its entries")
@@ -208,13 +222,17 @@ class BlockManager:
             holders = Counter(block_id for seq in seqs for block_id in seq.block_table)
             for block in self.blocks:
                 if holders[block.block_id] != block.ref_count:
-                    problems.append(f"block {block.block_id} has ref_count {block.ref_count} but "
-                                    f"{holders[block.block_id]} block tables hold it")
+                    problems.append(
+                        f"block {block.block_id} has ref_count {block.ref_count} but "
+                        f"{holders[block.block_id]} block tables hold it"
+                    )
         if problems:
             raise RuntimeError("block manager invariants broken: " + "; ".join(problems[:5]))
+
 
 # %% ../../notebooks/02_block_manager.ipynb #0133134a
 class PrefixMatch(NamedTuple):
     "What the prefix cache holds of a waiting sequence: computed once when it is considered for admission."
-    block_ids: list[int]       # the cached blocks of its leading full blocks, in order
-    num_tokens: int            # the tokens they hold
+
+    block_ids: list[int]  # the cached blocks of its leading full blocks, in order
+    num_tokens: int  # the tokens they hold

@@ -18,9 +18,9 @@ class GraphInputs:
     "What every graph reads: a device buffer laid out as the largest step, and two pinned host mirrors used in turn."
 
     def __init__(self, max_batch_size: int, max_blocks: int, device: torch.device, max_tokens: int = 0):
-        tokens = max(max_tokens, max_batch_size)   # a decode step has a token per sequence; a mixed step more
+        tokens = max(max_tokens, max_batch_size)  # a decode step has a token per sequence; a mixed step more
         self.capacity = StepSizes(tokens, max_batch_size, max_batch_size, max_blocks)
-        nbytes, pin = step_nbytes(self.capacity), device.type == "cuda"   # (a host-only runner cannot pin)
+        nbytes, pin = step_nbytes(self.capacity), device.type == "cuda"  # (a host-only runner cannot pin)
         self.device_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.hosts = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self.host_views = [numpy_views(host.numpy(), self.capacity) for host in self.hosts]
@@ -29,9 +29,16 @@ class GraphInputs:
     def step(self, bs: int, max_seqlen_k: int, cascade: bool = False, tokens: int = 0) -> DeviceStep:
         "The buffer's first `bs` sequences as a graph's inputs: a decode step's, or a mixed step's of `tokens` tokens."
         v, t = self.views, tokens or bs
-        meta = AttentionMetadata(v["cu_seqlens_q"][:bs + 1], v["cu_seqlens_k"][:bs + 1], tokens or 1, max_seqlen_k,
-                                 v["slot_mapping"][:t], v["context_lens"][:bs], v["block_tables"][:bs],
-                                 v["shared_prefix_len"] if cascade else None)
+        meta = AttentionMetadata(
+            v["cu_seqlens_q"][: bs + 1],
+            v["cu_seqlens_k"][: bs + 1],
+            tokens or 1,
+            max_seqlen_k,
+            v["slot_mapping"][:t],
+            v["context_lens"][:bs],
+            v["block_tables"][:bs],
+            v["shared_prefix_len"] if cascade else None,
+        )
         return DeviceStep(v["input_ids"][:t], v["positions"][:t], v["logits_indices"][:bs], meta)
 
     def load(self, step: StepInputs, batch_size: int, input_ids: torch.Tensor | None, tokens: int = 0) -> None:
@@ -39,32 +46,48 @@ class GraphInputs:
         sizes, views, host = step.sizes, self.host_views[self.turn], self.hosts[self.turn]
         t, n, self.turn = sizes.num_tokens, sizes.num_seqs, self.turn ^ 1
         step.write(views)
-        views["slot_mapping"][t:max(tokens, batch_size)], views["context_lens"][n:batch_size] = -1, 0
-        if tokens:   # a mixed graph (next section): spare sequences of no tokens, spare logits rows read row 0
-            views["cu_seqlens_q"][n + 1:], views["cu_seqlens_k"][n + 1:] = t, step.cu_seqlens_k[-1]
-            views["logits_indices"][sizes.num_sampled:] = 0
+        views["slot_mapping"][t : max(tokens, batch_size)], views["context_lens"][n:batch_size] = -1, 0
+        if tokens:  # a mixed graph (next section): spare sequences of no tokens, spare logits rows read row 0
+            views["cu_seqlens_q"][n + 1 :], views["cu_seqlens_k"][n + 1 :] = t, step.cu_seqlens_k[-1]
+            views["logits_indices"][sizes.num_sampled :] = 0
         self.device_buffer.copy_(host, non_blocking=True)
-        if input_ids is not None:   # the tokens of the step before, still on the device (asynchronous scheduling)
+        if input_ids is not None:  # the tokens of the step before, still on the device (asynchronous scheduling)
             self.views["input_ids"][:t].copy_(input_ids)
 
 
 # %% auto #0
-__all__ = ['MIXED_GRAPH_MAX_TOKENS', 'graph_batch_sizes', 'GraphInputs', 'CUDAGraphRunner', 'mixed_token_sizes',
-           'MixedGraphRunner']
+__all__ = [
+    "MIXED_GRAPH_MAX_TOKENS",
+    "graph_batch_sizes",
+    "GraphInputs",
+    "CUDAGraphRunner",
+    "mixed_token_sizes",
+    "MixedGraphRunner",
+]
+
 
 # %% ../../notebooks/09_model_runner.ipynb #3b60bb96
 class CUDAGraphRunner:
     "Decode steps recorded once per batch size (and cascade): a replay launches their hundreds of kernels at once."
 
-    def __init__(self, model: torch.nn.Module, max_batch_size: int, max_model_len: int, block_size: int,
-                 vocab_size: int, dtype: torch.dtype, device: torch.device, cascade: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_batch_size: int,
+        max_model_len: int,
+        block_size: int,
+        vocab_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        cascade: bool = False,
+    ):
         self.batch_sizes = graph_batch_sizes(max_batch_size)
         self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
         self.inputs = GraphInputs(max_batch_size, -(-max_model_len // block_size), device)
-        self.logits = torch.zeros(max_batch_size, vocab_size, dtype=dtype, device=device)   # the graphs' outputs:
-        self.greedy_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)     # and each row's argmax
+        self.logits = torch.zeros(max_batch_size, vocab_size, dtype=dtype, device=device)  # the graphs' outputs:
+        self.greedy_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)  # and each row's argmax
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # only batch sizes where a cascade can pay
+        self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # only batch sizes where a cascade can pay
         self.capture(model, cascade)
 
     @torch.inference_mode()
@@ -77,13 +100,13 @@ class CUDAGraphRunner:
                 variants.append((self.cascade_graphs, True))
             for graphs, shared in variants:
                 x = self.inputs.step(bs, self.max_model_len, shared)
-                self.head(model, model(x.input_ids, x.positions, x.meta), bs)   # warm-up
+                self.head(model, model(x.input_ids, x.positions, x.meta), bs)  # warm-up
                 graphs[bs] = graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):   # the model, its LM head and the greedy pick: fewer launches
+                with torch.cuda.graph(graph, pool):  # the model, its LM head and the greedy pick: fewer launches
                     self.head(model, model(x.input_ids, x.positions, x.meta), bs)
                 pool = pool or graph.pool()
                 torch.cuda.synchronize()
-        self.pool = pool   # (mixed steps' graphs, next section, share it)
+        self.pool = pool  # (mixed steps' graphs, next section, share it)
 
     def head(self, model: torch.nn.Module, hidden: torch.Tensor, rows: int) -> None:
         "The LM head into the logits buffer, and each row's most likely token: what a replay leaves behind."
@@ -101,23 +124,25 @@ class CUDAGraphRunner:
         (self.cascade_graphs if step.shared_prefix_len[0] else self.graphs)[bs].replay()
         return self.logits[:n]
 
+
 # %% ../../notebooks/09_model_runner.ipynb #59436b1b
-MIXED_GRAPH_MAX_TOKENS = 2048   # larger steps are long prefills: their kernels, not their launches, set the pace
+MIXED_GRAPH_MAX_TOKENS = 2048  # larger steps are long prefills: their kernels, not their launches, set the pace
 
 
 def mixed_token_sizes(max_num_batched_tokens: int, largest: int = MIXED_GRAPH_MAX_TOKENS) -> list[int]:
     "The token counts mixed steps are recorded for: powers of two from 128, then the step budget (at most `largest`)."
     top = min(max_num_batched_tokens, largest)
-    return [2 ** k for k in range(7, top.bit_length()) if 2 ** k < top] + [top]
+    return [2**k for k in range(7, top.bit_length()) if 2**k < top] + [top]
 
 
 class MixedGraphRunner:
     "Steps with prompt tokens, recorded per token bucket with every sequence's row; in the decode graphs' pool."
 
-    def __init__(self, model: torch.nn.Module, graphs: CUDAGraphRunner, max_num_batched_tokens: int,
-                 device: torch.device):
+    def __init__(
+        self, model: torch.nn.Module, graphs: CUDAGraphRunner, max_num_batched_tokens: int, device: torch.device
+    ):
         self.token_sizes = mixed_token_sizes(max_num_batched_tokens)
-        self.max_num_seqs, self.decode = graphs.max_batch_size, graphs   # (its output buffers: shared too)
+        self.max_num_seqs, self.decode = graphs.max_batch_size, graphs  # (its output buffers: shared too)
         self.logits, self.greedy_ids = graphs.logits, graphs.greedy_ids
         self.inputs = GraphInputs(self.max_num_seqs, graphs.inputs.capacity.width, device, self.token_sizes[-1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -125,18 +150,18 @@ class MixedGraphRunner:
 
     @torch.inference_mode()
     def capture(self, model: torch.nn.Module, max_model_len: int, pool) -> None:
-        self.inputs.host_views[0]["slot_mapping"][:] = -1   # recording writes nothing into the cache
-        self.inputs.device_buffer.copy_(self.inputs.hosts[0])   # (and zeros elsewhere: no sequence has a token)
+        self.inputs.host_views[0]["slot_mapping"][:] = -1  # recording writes nothing into the cache
+        self.inputs.device_buffer.copy_(self.inputs.hosts[0])  # (and zeros elsewhere: no sequence has a token)
         for tokens in reversed(self.token_sizes):
             x, head = self.inputs.step(self.max_num_seqs, max_model_len, tokens=tokens), self.decode.head
-            head(model, model(x.input_ids, x.positions, x.meta)[x.logits_indices], self.max_num_seqs)   # warm-up
+            head(model, model(x.input_ids, x.positions, x.meta)[x.logits_indices], self.max_num_seqs)  # warm-up
             self.graphs[tokens] = graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
                 head(model, model(x.input_ids, x.positions, x.meta)[x.logits_indices], self.max_num_seqs)
             torch.cuda.synchronize()
 
     def can_run(self, step: StepInputs) -> bool:
-        s = step.sizes   # (prompt log-probabilities need logits of other rows: eager)
+        s = step.sizes  # (prompt log-probabilities need logits of other rows: eager)
         return s.num_tokens <= self.token_sizes[-1] and s.num_seqs <= self.max_num_seqs and not s.num_prompt_logits
 
     def replay(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -145,5 +170,4 @@ class MixedGraphRunner:
         tokens = next(t for t in self.token_sizes if t >= s.num_tokens)
         self.inputs.load(step, self.max_num_seqs, input_ids, tokens)
         self.graphs[tokens].replay()
-        return self.logits[:s.num_sampled] if s.num_sampled else None
-
+        return self.logits[: s.num_sampled] if s.num_sampled else None

@@ -36,5 +36,6 @@ class Executor:
     def close(self) -> None:
         self.runner.close()
 
+
 # %% auto #0
-__all__ = ['Executor']
+__all__ = ["Executor"]

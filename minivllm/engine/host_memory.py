@@ -7,7 +7,7 @@ import ctypes
 import os
 import sys
 
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4   # mallopt's parameter numbers, from glibc's malloc.h
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt's parameter numbers, from glibc's malloc.h
 
 
 def reuse_freed_memory() -> bool:
@@ -17,9 +17,10 @@ def reuse_freed_memory() -> bool:
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):   # another C library
+    except (OSError, AttributeError):  # another C library
         return False
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
+
 # %% auto #0
-__all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'reuse_freed_memory']
+__all__ = ["M_TRIM_THRESHOLD", "M_MMAP_MAX", "reuse_freed_memory"]

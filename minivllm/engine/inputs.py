@@ -12,56 +12,68 @@ from ..models.gguf_loader import gguf_tokenizer, is_gguf
 from ..sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")   # any one of them holds a vocabulary
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them holds a vocabulary
 _NO_TOKENIZER = "or pass skip_tokenizer_init=True and give prompts as token ids"
 
 
 def load_tokenizer(model: str, vocab_size: int):
-    if is_gguf(model):   # a GGUF file holds its tokenizer and chat template (notebook 08)
+    if is_gguf(model):  # a GGUF file holds its tokenizer and chat template (notebook 08)
         tokenizer = gguf_tokenizer(model)
     elif not any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
         # transformers would make an empty tokenizer from config.json alone, which turns every prompt into []
-        raise ValueError(f"no tokenizer in {model!r}: none of {', '.join(TOKENIZER_FILES)} is there; copy the "
-                         f"checkpoint's tokenizer files into the folder, {_NO_TOKENIZER}")
+        raise ValueError(
+            f"no tokenizer in {model!r}: none of {', '.join(TOKENIZER_FILES)} is there; copy the "
+            f"checkpoint's tokenizer files into the folder, {_NO_TOKENIZER}"
+        )
     else:
-        from transformers import AutoTokenizer   # (imported when needed: it costs seconds)
+        from transformers import AutoTokenizer  # (imported when needed: it costs seconds)
+
         try:
             tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
         except (OSError, ValueError, TypeError) as e:
-            raise ValueError(f"cannot load the tokenizer in {model!r} ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0]}); fix its files, {_NO_TOKENIZER}") from None
+            raise ValueError(
+                f"cannot load the tokenizer in {model!r} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0]}); fix its files, {_NO_TOKENIZER}"
+            ) from None
     if len(tokenizer) > vocab_size:
-        raise ValueError(f"the tokenizer in {model!r} has {len(tokenizer)} tokens, the model only {vocab_size}: "
-                         "they do not belong together")
+        raise ValueError(
+            f"the tokenizer in {model!r} has {len(tokenizer)} tokens, the model only {vocab_size}: "
+            "they do not belong together"
+        )
     return tokenizer
 
+
 # %% auto #0
-__all__ = ['PromptType', 'TOKENIZER_FILES', 'load_tokenizer', 'prompt_token_ids', 'checked_params', 'fit_to_model']
+__all__ = ["PromptType", "TOKENIZER_FILES", "load_tokenizer", "prompt_token_ids", "checked_params", "fit_to_model"]
+
 
 # %% ../../notebooks/10_llm_engine.ipynb #759495ce
-def prompt_token_ids(prompt: PromptType, tokenizer, vocab_size: int, max_model_len: int,
-                     name: str = "prompt") -> tuple[str | None, list[int]]:
+def prompt_token_ids(
+    prompt: PromptType, tokenizer, vocab_size: int, max_model_len: int, name: str = "prompt"
+) -> tuple[str | None, list[int]]:
     "(text, token ids) of one prompt, or a TypeError / ValueError naming `name` and the problem."
     if isinstance(prompt, dict):
         if set(prompt) - {"prompt", "prompt_token_ids"} or len(prompt) != 1:
-            raise TypeError(f"{name}: a prompt dict holds exactly one of 'prompt' or 'prompt_token_ids', "
-                            f"got keys {sorted(prompt)}")
+            raise TypeError(
+                f"{name}: a prompt dict holds exactly one of 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
+            )
         key, prompt = next(iter(prompt.items()))
         if not isinstance(prompt, str if key == "prompt" else (list, tuple)):
             want = "a string" if key == "prompt" else "a list of token ids"
             raise TypeError(f"{name}: {key!r} must be {want}, got {type(prompt).__name__}")
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError(f"{name} is text, but the engine has no tokenizer (skip_tokenizer_init=True): "
-                             "pass token ids")
+            raise ValueError(
+                f"{name} is text, but the engine has no tokenizer (skip_tokenizer_init=True): pass token ids"
+            )
         try:
             prompt.encode()
-        except UnicodeEncodeError as e:   # (a lone surrogate: the tokenizer's own error names neither)
+        except UnicodeEncodeError as e:  # (a lone surrogate: the tokenizer's own error names neither)
             raise ValueError(f"{name} is not valid Unicode text: {e.reason} at character {e.start}") from None
         text, ids = prompt, tokenizer.encode(prompt)
     elif isinstance(prompt, (list, tuple)):
         text, ids = None, list(prompt)
-        if set(map(type, ids)) != {int}:   # plain ints: one pass in C; numpy ints and such: the slow path
+        if set(map(type, ids)) != {int}:  # plain ints: one pass in C; numpy ints and such: the slow path
             bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)), None)
             if bad is not None:
                 raise TypeError(f"{name}: token ids must be ints, got {type(bad).__name__} {bad!r}")
@@ -74,9 +86,12 @@ def prompt_token_ids(prompt: PromptType, tokenizer, vocab_size: int, max_model_l
     if not ids:
         raise ValueError(f"{name} is empty: it needs at least one token")
     if len(ids) >= max_model_len:
-        raise ValueError(f"{name} has {len(ids)} tokens; with max_model_len={max_model_len} a prompt may have at "
-                         f"most {max_model_len - 1}, so that at least one token can be generated")
+        raise ValueError(
+            f"{name} has {len(ids)} tokens; with max_model_len={max_model_len} a prompt may have at "
+            f"most {max_model_len - 1}, so that at least one token can be generated"
+        )
     return text, ids
+
 
 # %% ../../notebooks/10_llm_engine.ipynb #c6a62da5
 def checked_params(params: SamplingParams | None, name: str = "prompt") -> SamplingParams:
@@ -86,9 +101,10 @@ def checked_params(params: SamplingParams | None, name: str = "prompt") -> Sampl
     if not isinstance(params, SamplingParams):
         raise TypeError(f"{name}: sampling params must be a SamplingParams, got {type(params).__name__}")
     try:
-        return dataclasses.replace(params)   # runs every check of SamplingParams again
+        return dataclasses.replace(params)  # runs every check of SamplingParams again
     except (TypeError, ValueError) as e:
         raise type(e)(f"{name}: {e}") from None
+
 
 # %% ../../notebooks/10_llm_engine.ipynb #c6a62da6
 def fit_to_model(params: SamplingParams, tokenizer, vocab_size: int, name: str = "prompt") -> SamplingParams:
@@ -96,17 +112,17 @@ def fit_to_model(params: SamplingParams, tokenizer, vocab_size: int, name: str =
     for field in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
         bad = next((t for t in getattr(params, field) or () if t >= vocab_size), None)
         if bad is not None:
-            raise ValueError(f"{name}: SamplingParams.{field} holds token id {bad}, outside the vocabulary "
-                             f"[0, {vocab_size})")
+            raise ValueError(
+                f"{name}: SamplingParams.{field} holds token id {bad}, outside the vocabulary [0, {vocab_size})"
+            )
     if not params.bad_words:
         return params
     if tokenizer is None:
         raise ValueError(f"{name}: SamplingParams.bad_words needs a tokenizer (the engine has none)")
     params.bad_words_token_ids = words = []
-    for word in params.bad_words:   # as it starts a text, and (when that differs) inside one, after a space
+    for word in params.bad_words:  # as it starts a text, and (when that differs) inside one, after a space
         plain, spaced = (tokenizer.encode(s + word.lstrip(), add_special_tokens=False) for s in ("", " "))
         if not plain or len(plain) > RECENT_TOKENS + 1:
-            raise ValueError(f"{name}: bad word {word!r} is {len(plain)} tokens; it must be 1 to "
-                             f"{RECENT_TOKENS + 1}")
+            raise ValueError(f"{name}: bad word {word!r} is {len(plain)} tokens; it must be 1 to {RECENT_TOKENS + 1}")
         words += [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
     return params

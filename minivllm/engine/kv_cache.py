@@ -32,12 +32,23 @@ def num_kv_blocks(config: Config, budget_bytes: int) -> int:
             f"the KV cache holds {blocks} blocks of {config.block_size} tokens = {blocks * config.block_size} tokens, "
             f"but one sequence of max_model_len={config.max_model_len} tokens needs {blocks_per_seq} blocks "
             f"({blocks_per_seq * block_bytes / 2**20:.1f} MiB). Give the cache more memory (gpu_memory_utilization, "
-            f"cpu_kvcache_space_gib, num_kvcache_blocks) or lower max_model_len.")
+            f"cpu_kvcache_space_gib, num_kvcache_blocks) or lower max_model_len."
+        )
     return int(blocks)
 
+
 # %% auto #0
-__all__ = ['kv_block_bytes', 'num_kv_blocks', 'profile_run', 'gpu_kv_budget', 'kv_budget', 'attention_layers',
-           'zeroed_cpu_tensor', 'allocate_kv_cache']
+__all__ = [
+    "kv_block_bytes",
+    "num_kv_blocks",
+    "profile_run",
+    "gpu_kv_budget",
+    "kv_budget",
+    "attention_layers",
+    "zeroed_cpu_tensor",
+    "allocate_kv_cache",
+]
+
 
 # %% ../../notebooks/09_model_runner.ipynb #86b559c9
 @torch.inference_mode()
@@ -47,8 +58,11 @@ def profile_run(model: torch.nn.Module, config: Config, device: torch.device) ->
     num_seqs = max(1, min(config.max_num_seqs, config.max_num_batched_tokens // seq_len))
     n = num_seqs * seq_len
     cu = torch.arange(0, n + 1, seq_len, dtype=torch.int32, device=device)
-    hidden = model(torch.zeros(n, dtype=torch.int64, device=device), torch.arange(seq_len, device=device).repeat(
-        num_seqs), AttentionMetadata(cu, cu, seq_len, seq_len))
+    hidden = model(
+        torch.zeros(n, dtype=torch.int64, device=device),
+        torch.arange(seq_len, device=device).repeat(num_seqs),
+        AttentionMetadata(cu, cu, seq_len, seq_len),
+    )
     params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * config.max_num_seqs  # the sort path
     logits = model.compute_logits(hidden[-1:].expand(config.max_num_seqs, -1).contiguous())
     Sampler()(logits, SamplingTensors.from_params(params, device))
@@ -74,6 +88,7 @@ def kv_budget(model: torch.nn.Module, config: Config, device: torch.device, tp: 
         budget = int(config.cpu_kvcache_space_gib * 2**30)
     return int(all_reduce(torch.tensor([budget], device=device), tp, dist.ReduceOp.MIN).item())
 
+
 # %% ../../notebooks/09_model_runner.ipynb #9b75807d
 def attention_layers(model: torch.nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
@@ -85,19 +100,22 @@ def zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
-def allocate_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> torch.Tensor:
+def allocate_kv_cache(
+    model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     "One tensor for the whole cache; each attention layer gets views of its K and V."
     layers = attention_layers(model)
     shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
     try:
         if device.type == "cuda":
             kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        else:   # zeros too, without clearing (and committing) the whole cache now
+        else:  # zeros too, without clearing (and committing) the whole cache now
             kv_cache = zeroed_cpu_tensor(shape, dtype)
-    except (OSError, RuntimeError) as e:   # (out of memory; a num_kvcache_blocks too large, most likely)
-        raise ValueError(f"a KV cache of {num_blocks:,} blocks ({math.prod(shape) * dtype.itemsize / 2**30:,.1f} GiB) "
-                         f"does not fit in {device.type} memory ({e}): lower num_kvcache_blocks") from e
+    except (OSError, RuntimeError) as e:  # (out of memory; a num_kvcache_blocks too large, most likely)
+        raise ValueError(
+            f"a KV cache of {num_blocks:,} blocks ({math.prod(shape) * dtype.itemsize / 2**30:,.1f} GiB) "
+            f"does not fit in {device.type} memory ({e}): lower num_kvcache_blocks"
+        ) from e
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
     return kv_cache

@@ -8,6 +8,14 @@ import itertools
 import time
 from dataclasses import dataclass
 
+from minivllm.engine.output_processor import (
+    IncrementalDetokenizer,
+    OutputProcessor,
+    ParentRequest,
+    Request,
+    decode_options,
+)
+
 from ..config import Config, takes_engine_arguments
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
@@ -15,7 +23,6 @@ from .batch_builder import BatchBuilder
 from .executor import Executor
 from .inputs import PromptType, checked_params, fit_to_model, load_tokenizer, prompt_token_ids
 from .lookahead import plan_lookahead
-from .output_processor import IncrementalDetokenizer, OutputProcessor, ParentRequest, Request, decode_options
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
 from .step_trace import StepRecord
@@ -24,19 +31,21 @@ from .step_trace import StepRecord
 @dataclass
 class EngineStats:
     "Counters over the engine's life (progress bars, benchmarks and tests read them)."
+
     num_steps: int = 0
-    num_prompt_tokens: int = 0       # prompt tokens computed (recomputation after preemption included)
+    num_prompt_tokens: int = 0  # prompt tokens computed (recomputation after preemption included)
     num_generated_tokens: int = 0
-    prefill_time: float = 0.0        # seconds in steps that computed prompt tokens
-    decode_time: float = 0.0         # seconds in decode-only steps
-    num_preemptions: int = 0         # sequences pushed out of a full KV cache, to be recomputed later
+    prefill_time: float = 0.0  # seconds in steps that computed prompt tokens
+    decode_time: float = 0.0  # seconds in decode-only steps
+    num_preemptions: int = 0  # sequences pushed out of a full KV cache, to be recomputed later
 
 
 @dataclass
 class InFlightStep:
     "A step launched on the device whose tokens the host has not seen yet."
+
     plan: StepPlan
-    handle: object   # what the executor's `collect` needs to finish it
+    handle: object  # what the executor's `collect` needs to finish it
 
 
 def default_sampling_params(config: Config) -> SamplingParams:
@@ -44,7 +53,9 @@ def default_sampling_params(config: Config) -> SamplingParams:
     try:
         return SamplingParams(**config.default_sampling_params)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"generation_config.json in {config.model!r}: {e} (generation_config='vllm' ignores it)") from None
+        raise ValueError(
+            f"generation_config.json in {config.model!r}: {e} (generation_config='vllm' ignores it)"
+        ) from None
 
 
 def make_executor(config: Config) -> Executor:
@@ -52,10 +63,13 @@ def make_executor(config: Config) -> Executor:
     if config.tensor_parallel_size == 1:
         return Executor(config)
     from .multiproc_executor import make_tp_executor
+
     return make_tp_executor(config)
 
+
 # %% auto #0
-__all__ = ['EngineStats', 'InFlightStep', 'default_sampling_params', 'make_executor', 'LLMEngine']
+__all__ = ["EngineStats", "InFlightStep", "default_sampling_params", "make_executor", "LLMEngine"]
+
 
 # %% ../../notebooks/10_llm_engine.ipynb #19f16d45
 class LLMEngine:
@@ -64,13 +78,20 @@ class LLMEngine:
     @takes_engine_arguments
     def __init__(self, model: str, **kwargs):
         self.config = c = Config.from_kwargs(model, **kwargs)
-        tokenizer_path = c.tokenizer or c.model   # (a folder, or the GGUF file itself)
+        tokenizer_path = c.tokenizer or c.model  # (a folder, or the GGUF file itself)
         self.tokenizer = None if c.skip_tokenizer_init else load_tokenizer(tokenizer_path, c.hf_config.vocab_size)
         self.executor = make_executor(c)
-        try:   # from here on a failure must not keep the model's memory (a notebook keeps the traceback alive)
-            self.scheduler = Scheduler(self.executor.num_blocks, c.block_size, c.max_num_seqs,
-                                       c.max_num_batched_tokens, c.max_model_len, c.eos_token_ids,
-                                       c.enable_chunked_prefill, c.enable_prefix_caching)
+        try:  # from here on a failure must not keep the model's memory (a notebook keeps the traceback alive)
+            self.scheduler = Scheduler(
+                self.executor.num_blocks,
+                c.block_size,
+                c.max_num_seqs,
+                c.max_num_batched_tokens,
+                c.max_model_len,
+                c.eos_token_ids,
+                c.enable_chunked_prefill,
+                c.enable_prefix_caching,
+            )
             self.builder = BatchBuilder(c.block_size, c.max_model_len, c.max_num_seqs, c.cascade)
             self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         except BaseException:
@@ -78,25 +99,28 @@ class LLMEngine:
             raise
         self.default_params = default_sampling_params(c)
         self.stats = EngineStats()
-        self.in_flight: InFlightStep | None = None   # a step launched ahead (asynchronous scheduling)
-        self.trace: list[StepRecord] | None = None   # a record of every step, from `start_trace()` on
+        self.in_flight: InFlightStep | None = None  # a step launched ahead (asynchronous scheduling)
+        self.trace: list[StepRecord] | None = None  # a record of every step, from `start_trace()` on
         self._seq_ids, self._request_ids = itertools.count(), itertools.count()
 
     @property
     def requests(self) -> dict[str, Request]:
         return self.outputs.requests
 
-    def validate(self, prompt: PromptType, params: SamplingParams | None, name: str = "prompt"
-                 ) -> tuple[str | None, list[int], SamplingParams]:
+    def validate(
+        self, prompt: PromptType, params: SamplingParams | None, name: str = "prompt"
+    ) -> tuple[str | None, list[int], SamplingParams]:
         "Check one request completely, without queueing it: (text, token ids, params)."
         params = checked_params(self.default_params if params is None else params, name)
         params = fit_to_model(params, self.tokenizer, self.config.hf_config.vocab_size, name)
-        text, ids = prompt_token_ids(prompt, self.tokenizer, self.config.hf_config.vocab_size,
-                                     self.config.max_model_len, name)
+        text, ids = prompt_token_ids(
+            prompt, self.tokenizer, self.config.hf_config.vocab_size, self.config.max_model_len, name
+        )
         return text, ids, params
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    stream: bool = False) -> str:
+    def add_request(
+        self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None, stream: bool = False
+    ) -> str:
         "Queue one request (vLLM's order); None as the id: the next free number. Returns the request's id."
         name = "request" if request_id is None else f"request {str(request_id)!r}"
         return self._add(*self.validate(prompt, params, name), request_id, stream)
@@ -105,10 +129,16 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # %% ../../notebooks/10_llm_engine.ipynb #ad8bc410
-    def _add(self, text: str | None, ids: list[int], params: SamplingParams, request_id: str | None = None,
-             stream: bool = False) -> str:
+    def _add(
+        self,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        stream: bool = False,
+    ) -> str:
         "Queue a checked request; n > 1 samples: n requests that share the prompt's cached blocks (vLLM's child ids)."
-        if request_id is None:   # the next free number (a caller's own ids may have taken some)
+        if request_id is None:  # the next free number (a caller's own ids may have taken some)
             request_id = next(i for i in map(str, self._request_ids) if self._free_id(i, params.n))
         request_id = str(request_id)
         if not self._free_id(request_id, params.n):
@@ -117,7 +147,7 @@ class LLMEngine:
             self._add_one(request_id, text, ids, params, stream)
             return request_id
         parent = ParentRequest(request_id, [])
-        for i in range(params.n):   # each sample's seed: the request's + its index, as in vLLM
+        for i in range(params.n):  # each sample's seed: the request's + its index, as in vLLM
             child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             child.bad_words_token_ids = params.bad_words_token_ids
             parent.children.append(self._add_one(f"{i}_{request_id}", text, ids, child, stream, parent, i))
@@ -127,13 +157,30 @@ class LLMEngine:
         taken = self.requests.keys() | self.outputs.parents.keys()
         return request_id not in taken and (n == 1 or not any(f"{i}_{request_id}" in taken for i in range(n)))
 
-    def _add_one(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
-                 stream: bool, parent: ParentRequest | None = None, index: int = 0) -> Request:
+    def _add_one(
+        self,
+        request_id: str,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        stream: bool,
+        parent: ParentRequest | None = None,
+        index: int = 0,
+    ) -> Request:
         seq = Sequence(ids, params, self.config.block_size, seq_id=next(self._seq_ids))
         needs_text = self.tokenizer is not None and (bool(params.stop) or stream)
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids, **decode_options(params)) if needs_text else None
-        req = Request(request_id, text, seq, RequestMetrics(seq.arrival_time), detokenizer, stream, parent=parent,
-                      index=index, prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids))
+        req = Request(
+            request_id,
+            text,
+            seq,
+            RequestMetrics(seq.arrival_time),
+            detokenizer,
+            stream,
+            parent=parent,
+            index=index,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids),
+        )
         self.outputs.add(req)
         self.executor.add_request(seq.seq_id, params, ids)
         self.scheduler.add(seq)
@@ -166,7 +213,7 @@ class LLMEngine:
             current = current or self._launch(self.scheduler.schedule())
             if current is None:
                 return []
-            if self.config.async_scheduling:   # the next decode step goes to the device before this one is collected
+            if self.config.async_scheduling:  # the next decode step goes to the device before this one is collected
                 self.in_flight = self._launch(plan_lookahead(self.scheduler, current.plan))
             waiting = time.perf_counter()
             token_ids, logprobs = self.executor.collect(current.handle)
@@ -177,7 +224,7 @@ class LLMEngine:
             outputs, done = self.outputs.process(current.plan, token_ids, logprobs and logprobs.sampled, finished, now)
         except BaseException:
             self.in_flight = None
-            self.executor.synchronize()   # let launched work finish before anything reuses its blocks
+            self.executor.synchronize()  # let launched work finish before anything reuses its blocks
             self.scheduler.recover()
             raise
         for req in done:
@@ -194,10 +241,10 @@ class LLMEngine:
             self.in_flight = None
 
     def _launch(self, plan: StepPlan | None) -> InFlightStep | None:
-        if not plan:   # nothing planned (ahead), or nothing to run
+        if not plan:  # nothing planned (ahead), or nothing to run
             return None
         self.stats.num_preemptions += len(plan.preempted)
-        if plan.num_prefill_tokens:   # (a sequence is first scheduled for its prompt)
+        if plan.num_prefill_tokens:  # (a sequence is first scheduled for its prompt)
             now = time.perf_counter()
             for seq in plan.seqs:
                 metrics = self.outputs.by_seq[seq.seq_id].metrics
@@ -215,8 +262,11 @@ class LLMEngine:
         else:
             stats.decode_time += end - start
         if self.trace is not None:
-            self.trace.append(StepRecord.from_step(len(self.trace), plan, finished, self.scheduler,
-                                                   start - self._trace_start, end - start, wait))
+            self.trace.append(
+                StepRecord.from_step(
+                    len(self.trace), plan, finished, self.scheduler, start - self._trace_start, end - start, wait
+                )
+            )
 
     def start_trace(self) -> list[StepRecord]:
         "Record every step from now on (`engine.trace`, times in seconds from now); returns the list it fills."

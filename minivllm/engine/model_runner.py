@@ -25,22 +25,26 @@ from .step_inputs import PinnedUploads, StepInputs, to_device
 @dataclass
 class StepHandle:
     "A step launched on the device and not collected yet: its sampled tokens, and their copy to the host."
-    token_ids: torch.Tensor | None = None   # [S] int64; None when the step samples nothing (a prompt chunk)
-    logprobs: LogprobsTensors | None = None   # when some row asked for them: on their way to the host too
+
+    token_ids: torch.Tensor | None = None  # [S] int64; None when the step samples nothing (a prompt chunk)
+    logprobs: LogprobsTensors | None = None  # when some row asked for them: on their way to the host too
     sampling: SamplingTensors | None = None
-    host_ids: torch.Tensor | None = None    # their copy in pinned host memory, complete once `copied` has passed
+    host_ids: torch.Tensor | None = None  # their copy in pinned host memory, complete once `copied` has passed
     copied: torch.cuda.Event | None = None
-    prompt_logprobs: LogprobsTensors | None = None   # of the step's prompt rows, when a request asked for them
+    prompt_logprobs: LogprobsTensors | None = None  # of the step's prompt rows, when a request asked for them
 
 
 @dataclass
 class StepLogprobs:
     "What a collected step gives back besides its tokens, when some request asked (notebook 10 books it)."
-    sampled: list[dict[int, tuple[float, int]] | None] | None   # per sampled row
-    prompt: list[tuple[list[int], list[float], list[int]]] | None   # per prompt row: ids, logprobs, ranks
+
+    sampled: list[dict[int, tuple[float, int]] | None] | None  # per sampled row
+    prompt: list[tuple[list[int], list[float], list[int]]] | None  # per prompt row: ids, logprobs, ranks
+
 
 # %% auto #0
-__all__ = ['StepHandle', 'StepLogprobs', 'ModelRunner']
+__all__ = ["StepHandle", "StepLogprobs", "ModelRunner"]
+
 
 # %% ../../notebooks/09_model_runner.ipynb #e05e7f9c
 class ModelRunner:
@@ -52,29 +56,41 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
-            reuse_freed_memory()   # a step's large temporaries reuse the pages of the step before
+            reuse_freed_memory()  # a step's large temporaries reuse the pages of the step before
         self.kv_cache = self.graphs = self.mixed_graphs = None
-        self.model = build_model(config.hf_config, config.model, config.torch_dtype, self.device, tp,
-                                 config.load_format, config.seed)
-        try:   # a failure from here on (a cache too small, out of memory) must not keep the weights alive
+        self.model = build_model(
+            config.hf_config, config.model, config.torch_dtype, self.device, tp, config.load_format, config.seed
+        )
+        try:  # a failure from here on (a cache too small, out of memory) must not keep the weights alive
             if self.device.type == "cpu":
-                pack_for_cpu(self.model)   # oneDNN's copy of every float32 weight (notebook 04)
+                pack_for_cpu(self.model)  # oneDNN's copy of every float32 weight (notebook 04)
             for layer in attention_layers(self.model):
                 layer.backend, layer.prefill_backend = config.attention_backend, config.prefill_backend
             self.sampler = Sampler()
             self.sampling = SamplingCache(self.device, config.seed, config.hf_config.vocab_size, config.eos_token_ids)
             self.num_blocks = num_kv_blocks(config, kv_budget(self.model, config, self.device, tp))
-            self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, config.block_size, config.cache_dtype,
-                                              self.device)
-            self.upload = PinnedUploads(self.device) if self.device.type == "cuda" else partial(to_device, device=self.device)
-            self.last_sampled: torch.Tensor | None = None   # the token ids of the step before, on the device
+            self.kv_cache = allocate_kv_cache(
+                self.model, self.num_blocks, config.block_size, config.cache_dtype, self.device
+            )
+            self.upload = (
+                PinnedUploads(self.device) if self.device.type == "cuda" else partial(to_device, device=self.device)
+            )
+            self.last_sampled: torch.Tensor | None = None  # the token ids of the step before, on the device
             if self.device.type == "cuda" and not config.enforce_eager and config.attention_backend != "torch":
-                self.graphs = CUDAGraphRunner(self.model, config.max_num_seqs, config.max_model_len, config.block_size,
-                                              config.hf_config.vocab_size, config.torch_dtype, self.device,
-                                              cascade=config.cascade)
-                if config.prefill_backend == "triton":   # (a shape-free prefill kernel: section 12)
-                    self.mixed_graphs = MixedGraphRunner(self.model, self.graphs, config.max_num_batched_tokens,
-                                                         self.device)
+                self.graphs = CUDAGraphRunner(
+                    self.model,
+                    config.max_num_seqs,
+                    config.max_model_len,
+                    config.block_size,
+                    config.hf_config.vocab_size,
+                    config.torch_dtype,
+                    self.device,
+                    cascade=config.cascade,
+                )
+                if config.prefill_backend == "triton":  # (a shape-free prefill kernel: section 12)
+                    self.mixed_graphs = MixedGraphRunner(
+                        self.model, self.graphs, config.max_num_batched_tokens, self.device
+                    )
         except BaseException:
             self.close()
             raise
@@ -90,42 +106,42 @@ class ModelRunner:
     def execute(self, step: StepInputs) -> StepHandle:
         "Queue the forward pass, the sampled rows' logits and (first rank) the sampler, and return at once."
         input_ids = self._ahead_input_ids(step) if step.ahead else None
-        decode = step.is_decode_only   # (decode graphs: every sequence samples; mixed graphs: the other steps)
+        decode = step.is_decode_only  # (decode graphs: every sequence samples; mixed graphs: the other steps)
         graphs = self.graphs if decode else self.mixed_graphs
         graph = graphs is not None and graphs.can_run(step)
         logits, prompt = (graphs.replay(step, input_ids), None) if graph else self._forward(step, input_ids)
-        if self.tp.rank != 0:   # not the sampling rank
+        if self.tp.rank != 0:  # not the sampling rank
             return StepHandle()
-        greedy_ids = graphs.greedy_ids[:len(logits)] if graph and logits is not None else None
-        handle = StepHandle() if logits is None else self._sample(logits, step, greedy_ids)   # None: prompt chunks only
-        if prompt is not None:   # prompt log-probabilities: a few rows of prompt steps (never in a graph)
+        greedy_ids = graphs.greedy_ids[: len(logits)] if graph and logits is not None else None
+        handle = StepHandle() if logits is None else self._sample(logits, step, greedy_ids)  # None: prompt chunks only
+        if prompt is not None:  # prompt log-probabilities: a few rows of prompt steps (never in a graph)
             handle.prompt_logprobs = gather_logprobs(*prompt, self.sampling.max_prompt_logprobs()).to_host()
         if self.device.type == "cuda" and (logits is not None or prompt is not None):
             handle.copied = torch.cuda.current_stream().record_event()
         return handle
 
-    def _sample(self, logits: torch.Tensor, step: StepInputs, greedy_ids: torch.Tensor | None = None
-                ) -> StepHandle:
+    def _sample(self, logits: torch.Tensor, step: StepInputs, greedy_ids: torch.Tensor | None = None) -> StepHandle:
         """Sample each row and queue the tokens' copy to the host (and their log-probabilities', when asked);
         `greedy_ids`: each row's argmax from a graph's replay, the tokens themselves if every row is greedy as it is."""
         sampling, generators = self.sampling.batch(step.seq_ids)
         if greedy_ids is not None and sampling.all_greedy and sampling.processors is None:
-            self.last_sampled = greedy_ids   # (overwritten by the next replay, queued after every reader of this one)
+            self.last_sampled = greedy_ids  # (overwritten by the next replay, queued after every reader of this one)
         else:
             self.last_sampled = self.sampler(logits, sampling, generators, self.sampling.generator)
         logprobs = None
-        if sampling.max_num_logprobs is not None:   # gathered now, to travel to the host with the tokens
+        if sampling.max_num_logprobs is not None:  # gathered now, to travel to the host with the tokens
             logprobs = gather_logprobs(logits, self.last_sampled, sampling.max_num_logprobs).to_host()
-        host_ids = self.last_sampled.to("cpu", non_blocking=True)   # queued behind the sampler, into pinned memory
+        host_ids = self.last_sampled.to("cpu", non_blocking=True)  # queued behind the sampler, into pinned memory
         return StepHandle(self.last_sampled, logprobs, sampling, host_ids)
 
-    def _forward(self, step: StepInputs, input_ids: torch.Tensor | None
-                 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    def _forward(
+        self, step: StepInputs, input_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """Upload and run the model: the logits of the rows that sample (every rank: the LM head gathers), or None;
         and the logits of the prompt rows whose log-probabilities were asked for, with their next tokens, or None."""
         x = self.upload(step)
         hidden = self.model(x.input_ids if input_ids is None else input_ids, x.positions, x.meta)
-        n = step.sizes.num_sampled   # 0: a step of prompt chunks only, nothing to sample
+        n = step.sizes.num_sampled  # 0: a step of prompt chunks only, nothing to sample
         logits = None if n == 0 else self.model.compute_logits(hidden if n == len(hidden) else hidden[x.logits_indices])
         if x.prompt_logits_indices is None:
             return logits, None
@@ -136,7 +152,9 @@ class ModelRunner:
         n = len(step.input_ids)
         if self.tp.rank == 0:
             every_row = n == len(self.last_sampled) and step.input_ids[-1] == n - 1
-            ids = self.last_sampled if every_row else self.last_sampled[torch.from_numpy(step.input_ids).to(self.device)]
+            ids = (
+                self.last_sampled if every_row else self.last_sampled[torch.from_numpy(step.input_ids).to(self.device)]
+            )
         else:
             ids = torch.empty(n, dtype=torch.int64, device=self.device)
         return broadcast(ids, self.tp)
@@ -145,7 +163,7 @@ class ModelRunner:
     @torch.inference_mode()
     def collect(self, handle: StepHandle) -> tuple[list[int], StepLogprobs | None]:
         "The step's sampled tokens (and log-probabilities, where asked for) on the host."
-        if handle.copied is not None:   # the host waits for this step's copy, not for a step launched after it
+        if handle.copied is not None:  # the host waits for this step's copy, not for a step launched after it
             handle.copied.synchronize()
         token_ids = [] if handle.host_ids is None else handle.host_ids.tolist()
         sampled = handle.logprobs and handle.logprobs.tolists(handle.sampling.num_logprobs)

@@ -17,12 +17,14 @@ from ..sampling_params import SamplingParams
 from .step_inputs import StepInputs
 from .worker import run_worker, torchrun_rank
 
-SPAWN_HINT = ("worker processes are started with multiprocessing's 'spawn' method, which imports the main script "
-              "again: in a script, create the LLM under `if __name__ == \"__main__\":`")
-STEP_TIMEOUT = float(os.environ.get("MINIVLLM_STEP_TIMEOUT", 600))   # seconds: a rank that answers nothing is hung
+SPAWN_HINT = (
+    "worker processes are started with multiprocessing's 'spawn' method, which imports the main script "
+    'again: in a script, create the LLM under `if __name__ == "__main__":`'
+)
+STEP_TIMEOUT = float(os.environ.get("MINIVLLM_STEP_TIMEOUT", 600))  # seconds: a rank that answers nothing is hung
 
 
-def exit_reason(code: int | None) -> str:   # (None: reaped by someone else, the status is gone)
+def exit_reason(code: int | None) -> str:  # (None: reaped by someone else, the status is gone)
     return "exited" if code is None else f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
@@ -35,8 +37,12 @@ class Workers:
         try:
             for rank in range(config.tensor_parallel_size):
                 parent_end, child_end = ctx.Pipe()
-                proc = ctx.Process(target=run_worker, name=f"minivllm-tp-rank{rank}", daemon=True,
-                                   args=(config, rank, store_port, child_end, rpc_child if rank == 0 else None))
+                proc = ctx.Process(
+                    target=run_worker,
+                    name=f"minivllm-tp-rank{rank}",
+                    daemon=True,
+                    args=(config, rank, store_port, child_end, rpc_child if rank == 0 else None),
+                )
                 proc.start()
                 child_end.close()
                 self.procs[rank], self.status[rank] = proc, parent_end
@@ -45,7 +51,7 @@ class Workers:
             raise
         finally:
             rpc_child.close()
-        self.hello, self.failure, self.stopping = set(), None, False   # ranks that said hello; the first failure
+        self.hello, self.failure, self.stopping = set(), None, False  # ranks that said hello; the first failure
         self.thread = threading.Thread(target=self._watch, name="minivllm-tp-watch", daemon=True)
         self.thread.start()
 
@@ -64,13 +70,15 @@ class Workers:
                 elif ready in sentinels:
                     rank = sentinels.pop(ready)
                     conn = self.status[rank]
-                    while conn in conns and conn.poll():   # its last message (an error) comes first
+                    while conn in conns and conn.poll():  # its last message (an error) comes first
                         self._read(conns, conn)
                     conns.pop(conn, None)
                     if not self.stopping:
-                        self.procs[rank].join(5.0)   # its pipe closes a moment before the exit status is there
+                        self.procs[rank].join(5.0)  # its pipe closes a moment before the exit status is there
                         when = "unexpectedly" if rank in self.hello else f"before it started; {SPAWN_HINT}"
-                        self._fail(f"tensor-parallel worker rank {rank} {exit_reason(self.procs[rank].exitcode)} {when}")
+                        self._fail(
+                            f"tensor-parallel worker rank {rank} {exit_reason(self.procs[rank].exitcode)} {when}"
+                        )
 
     def _read(self, conns: dict, conn) -> None:
         try:
@@ -82,7 +90,9 @@ class Workers:
             self.hello.add(rank)
         else:
             summary, trace = details
-            self._fail(f"tensor-parallel worker rank {rank} failed: {summary}\n\n--- traceback of rank {rank} ---\n{trace}")
+            self._fail(
+                f"tensor-parallel worker rank {rank} failed: {summary}\n\n--- traceback of rank {rank} ---\n{trace}"
+            )
 
     # %% ../../notebooks/12_tensor_parallel.ipynb #fba6b24a
     def _fail(self, message: str) -> None:
@@ -93,7 +103,7 @@ class Workers:
     def stop(self, timeout: float = 30.0) -> None:
         "Wait for the ranks to exit (after rank 0's stop), kill those that do not, close the pipes."
         self.stopping = True
-        self.thread.join(timeout)   # the watch thread ends when every rank has exited
+        self.thread.join(timeout)  # the watch thread ends when every rank has exited
         self.kill()
         for proc in self.procs.values():
             proc.join()
@@ -101,29 +111,31 @@ class Workers:
         for conn in [self.rpc, *self.status.values()]:
             conn.close()
 
+
 # %% auto #0
-__all__ = ['SPAWN_HINT', 'STEP_TIMEOUT', 'exit_reason', 'Workers', 'MultiProcExecutor', 'make_tp_executor']
+__all__ = ["SPAWN_HINT", "STEP_TIMEOUT", "exit_reason", "Workers", "MultiProcExecutor", "make_tp_executor"]
+
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #26c07901
 class MultiProcExecutor:
     "Tensor parallelism over worker processes, one per device: this process sends rank 0 the steps, it passes them on."
 
     def __init__(self, config: Config, start_timeout: float = 300.0):
-        self.store = master_store(config.tensor_parallel_size)   # where the ranks meet (it lives as long as they do)
+        self.store = master_store(config.tensor_parallel_size)  # where the ranks meet (it lives as long as they do)
         self.workers = Workers(config, self.store.port)
-        weakref.finalize(self, self.workers.stop, 0.0)   # an executor dropped without close() still ends its workers
+        weakref.finalize(self, self.workers.stop, 0.0)  # an executor dropped without close() still ends its workers
         self.closed, self.down, self.number = False, None, 0
         self.added: list[tuple[int, SamplingParams, list[int]]] = []
         self.freed: list[int] = []
         try:
-            self.num_blocks = self._reply(None, start_timeout)   # rank 0 says "ready" once every rank has loaded
+            self.num_blocks = self._reply(None, start_timeout)  # rank 0 says "ready" once every rank has loaded
         except BaseException:
             self.workers.kill()
             self.workers.stop(10.0)
             raise
 
     def add_request(self, seq_id: int, params: SamplingParams, prompt_token_ids: list[int]) -> None:
-        self.added.append((seq_id, params, prompt_token_ids))   # (sent with the next step)
+        self.added.append((seq_id, params, prompt_token_ids))  # (sent with the next step)
 
     def free_request(self, seq_id: int) -> None:
         self.freed.append(seq_id)
@@ -157,26 +169,26 @@ class MultiProcExecutor:
         "Send rank 0 one request (numbered: its answer carries the number); Ctrl-C never cuts a message in half."
         self._check()
         self.number += 1
-        caught, main = [], threading.current_thread() is threading.main_thread()   # (Python runs signal handlers there)
+        caught, main = [], threading.current_thread() is threading.main_thread()  # (Python runs signal handlers there)
         previous = signal.signal(signal.SIGINT, lambda *sig: caught.append(sig)) if main else None
         try:
             self.workers.rpc.send((kind, self.number, *args))
             if payload is not None:
                 self.workers.rpc.send_bytes(payload)
-        except OSError:   # a broken pipe: rank 0 is gone
+        except OSError:  # a broken pipe: rank 0 is gone
             self._lost()
         finally:
             if main:
                 signal.signal(signal.SIGINT, previous)
         if caught and callable(previous):
-            previous(*caught[0])   # the Ctrl-C that came while the message was written, now that it is whole
+            previous(*caught[0])  # the Ctrl-C that came while the message was written, now that it is whole
         return self.number
 
     def _reply(self, number: int | None, timeout: float = STEP_TIMEOUT):
         "Rank 0's answer to request `number` (answers to older requests, left by an interrupted wait, are dropped)."
         deadline = time.monotonic() + timeout
         while True:
-            while not self.workers.rpc.poll(0.05):   # never blocked for long: a failure, and Ctrl-C, are seen at once
+            while not self.workers.rpc.poll(0.05):  # never blocked for long: a failure, and Ctrl-C, are seen at once
                 self._check()
                 if time.monotonic() > deadline:
                     self._take_down(f"tensor-parallel rank 0 did not answer within {timeout:.0f} s")
@@ -191,7 +203,7 @@ class MultiProcExecutor:
         if self.closed:
             raise RuntimeError("this tensor-parallel engine is closed")
         if self.down is None and self.workers.failure is not None:
-            self._take_down(self.workers.failure)   # a rank failed since the last call: its own error
+            self._take_down(self.workers.failure)  # a rank failed since the last call: its own error
         if self.down is not None:
             raise RuntimeError(f"the tensor-parallel group is down (make a new LLM); it failed with: {self.down}")
 
@@ -207,6 +219,7 @@ class MultiProcExecutor:
         self.workers.kill()
         self.workers.stop(10.0)
         raise RuntimeError(failure)
+
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #9fe67c34
 def make_tp_executor(config: Config):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..layers.sampler import logprob_dict
+from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from .batch_builder import prompt_logprob_positions
 from .scheduler import Scheduler, StepPlan
@@ -18,27 +18,31 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], context: int = 5, **decode_options):
         self.tokenizer, self.text, self.options = tokenizer, "", {"skip_special_tokens": True, **decode_options}
-        self.ids = list(prompt_token_ids[-context:])   # a little prompt, so the first token decodes in context
+        self.ids = list(prompt_token_ids[-context:])  # a little prompt, so the first token decodes in context
         self.prefix_offset, self.read_offset = 0, len(self.ids)
 
     def add(self, token_ids: list[int]) -> str:
         "Append new token ids; return the new text they complete (possibly empty)."
         self.ids.extend(token_ids)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], **self.options)
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:], **self.options)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], **self.options)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], **self.options)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
-        delta, self.prefix_offset, self.read_offset = full[len(prefix):], self.read_offset, len(self.ids)
+        delta, self.prefix_offset, self.read_offset = full[len(prefix) :], self.read_offset, len(self.ids)
         self.text += delta
         return delta
 
+
 # %% auto #0
-__all__ = ['IncrementalDetokenizer', 'decode_options', 'find_stop', 'Request', 'ParentRequest', 'OutputProcessor']
+__all__ = ["IncrementalDetokenizer", "decode_options", "find_stop", "Request", "ParentRequest", "OutputProcessor"]
+
 
 # %% ../../notebooks/10_llm_engine.ipynb #907d5bb6
 def decode_options(params: SamplingParams) -> dict:
-    return {"skip_special_tokens": params.skip_special_tokens,
-            "spaces_between_special_tokens": params.spaces_between_special_tokens}
+    return {
+        "skip_special_tokens": params.skip_special_tokens,
+        "spaces_between_special_tokens": params.spaces_between_special_tokens,
+    }
 
 
 def find_stop(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:
@@ -50,6 +54,7 @@ def find_stop(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | 
             best = (start, stop)
     return best
 
+
 # %% ../../notebooks/10_llm_engine.ipynb #daadc484
 @dataclass
 class Request:
@@ -57,14 +62,14 @@ class Request:
     prompt: str | None
     seq: Sequence
     metrics: RequestMetrics
-    detokenizer: IncrementalDetokenizer | None = None   # when text is needed as it is generated
-    stream: bool = False                                 # outputs are deltas
-    text: str | None = None                              # the final text, once finished
+    detokenizer: IncrementalDetokenizer | None = None  # when text is needed as it is generated
+    stream: bool = False  # outputs are deltas
+    text: str | None = None  # the final text, once finished
     sent_chars: int = 0
     sent_tokens: int = 0
-    parent: ParentRequest | None = None   # one of the n samples of a prompt (SamplingParams.n > 1)
-    index: int = 0                        # which one
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # SamplingParams.prompt_logprobs: per position
+    parent: ParentRequest | None = None  # one of the n samples of a prompt (SamplingParams.n > 1)
+    index: int = 0  # which one
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # SamplingParams.prompt_logprobs: per position
 
     def current_text(self, tokenizer) -> str:
         if self.text is not None:
@@ -84,9 +89,9 @@ class Request:
             stops = seq.sampling_params.stop
             if stops and not seq.is_finished and not seq.sampling_params.include_stop_str_in_output:
                 # hold back what may be the start of a stop string (it is not output)
-                text = text[:max(0, len(text) - max(map(len, stops)) + 1)]
-            text, ids = text[self.sent_chars:], ids[self.sent_tokens:]
-            logprobs = None if logprobs is None else logprobs[self.sent_tokens:]
+                text = text[: max(0, len(text) - max(map(len, stops)) + 1)]
+            text, ids = text[self.sent_chars :], ids[self.sent_tokens :]
+            logprobs = None if logprobs is None else logprobs[self.sent_tokens :]
             self.sent_chars += len(text)
             self.sent_tokens += len(ids)
         cumulative = seq.cumulative_logprob if seq.sampling_params.logprobs is not None else None
@@ -96,17 +101,27 @@ class Request:
         if self.parent is not None:
             return self.parent.output(self, tokenizer)
         seq = self.seq
-        return RequestOutput(self.request_id, self.prompt, seq.prompt_token_ids, [self.completion(tokenizer)],
-                             seq.is_finished, self.metrics, seq.num_cached_tokens, self.prompt_logprobs)
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            seq.prompt_token_ids,
+            [self.completion(tokenizer)],
+            seq.is_finished,
+            self.metrics,
+            seq.num_cached_tokens,
+            self.prompt_logprobs,
+        )
+
 
 # %% ../../notebooks/10_llm_engine.ipynb #daadc485
 @dataclass
 class ParentRequest:
     "A prompt sampled n times: n requests (ids `0_<id>`, `1_<id>`, ...), one output, under the parent's id."
+
     request_id: str
     children: list[Request]
-    sent_final: bool = False   # (the final output goes out once)
-    ended: set[int] = field(default_factory=set)   # the children whose last token has been booked
+    sent_final: bool = False  # (the final output goes out once)
+    ended: set[int] = field(default_factory=set)  # the children whose last token has been booked
 
     def output(self, child: Request, tokenizer) -> RequestOutput | None:
         """Streaming: the child's new tokens, `finished` on the last child's last delta. Otherwise: every child's
@@ -121,8 +136,17 @@ class ParentRequest:
                 return None
             self.sent_final, outputs = True, [c.completion(tokenizer) for c in self.children]
         first = self.children[0]
-        return RequestOutput(self.request_id, first.prompt, first.seq.prompt_token_ids, outputs, finished,
-                             first.metrics, first.seq.num_cached_tokens, first.prompt_logprobs)
+        return RequestOutput(
+            self.request_id,
+            first.prompt,
+            first.seq.prompt_token_ids,
+            outputs,
+            finished,
+            first.metrics,
+            first.seq.num_cached_tokens,
+            first.prompt_logprobs,
+        )
+
 
 # %% ../../notebooks/10_llm_engine.ipynb #97a981bc
 class OutputProcessor:
@@ -131,9 +155,9 @@ class OutputProcessor:
     def __init__(self, tokenizer, scheduler: Scheduler):
         self.tokenizer, self.scheduler = tokenizer, scheduler
         self.requests: dict[str, Request] = {}
-        self.parents: dict[str, ParentRequest] = {}   # prompts sampled n > 1 times, by their own request id
+        self.parents: dict[str, ParentRequest] = {}  # prompts sampled n > 1 times, by their own request id
         self.by_seq: dict[int, Request] = {}
-        self.watched: set[int] = set()   # the sequences whose requests need work per token (text, streaming)
+        self.watched: set[int] = set()  # the sequences whose requests need work per token (text, streaming)
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = self.by_seq[req.seq.seq_id] = req
@@ -147,7 +171,7 @@ class OutputProcessor:
         self.by_seq.pop(req.seq.seq_id, None)
         self.watched.discard(req.seq.seq_id)
         if req.parent is not None:
-            req.parent.ended.add(req.index)   # (finished, or aborted: the others' final output need not wait for it)
+            req.parent.ended.add(req.index)  # (finished, or aborted: the others' final output need not wait for it)
         if req.parent is not None and not any(c.request_id in self.requests for c in req.parent.children):
             self.parents.pop(req.parent.request_id, None)
 
@@ -156,19 +180,28 @@ class OutputProcessor:
         found = []
         for request_id in request_ids:
             parent = self.parents.get(request_id)
-            found += [c for c in parent.children if c.request_id in self.requests] if parent else \
-                [self.requests[request_id]] if request_id in self.requests else []
+            found += (
+                [c for c in parent.children if c.request_id in self.requests]
+                if parent
+                else [self.requests[request_id]]
+                if request_id in self.requests
+                else []
+            )
         return found
 
-    def process(self, plan: StepPlan, token_ids: list[int], logprobs: list | None, finished: list[Sequence],
-                now: float) -> tuple[list[RequestOutput], list[Request]]:
+    def process(
+        self, plan: StepPlan, token_ids: list[int], logprobs: list | None, finished: list[Sequence], now: float
+    ) -> tuple[list[RequestOutput], list[Request]]:
         "The outputs of one collected step, and the requests that are done (finished by it, or by a stop string)."
         if logprobs is None and not self.watched and not plan.num_prefill_tokens:
             # a decode step of requests that need nothing per token: only the finished ones are booked
             booked = [(self.by_seq[s.seq_id], s.last_token, None) for s in finished]
         else:
-            booked = [(self.by_seq[s.seq_id], t, None if logprobs is None else logprobs[i])
-                      for i, (s, t) in enumerate(zip(plan.sampled, token_ids)) if s.seq_id in self.by_seq]
+            booked = [
+                (self.by_seq[s.seq_id], t, None if logprobs is None else logprobs[i])
+                for i, (s, t) in enumerate(zip(plan.sampled, token_ids))
+                if s.seq_id in self.by_seq
+            ]
         outputs, done = [], []
         for req, token_id, token_logprobs in booked:
             out = self._book(req, token_id, token_logprobs, now)
@@ -180,8 +213,7 @@ class OutputProcessor:
         return outputs, done
 
     # %% ../../notebooks/10_llm_engine.ipynb #7c073244
-    def _book(self, req: Request, token_id: int, logprobs: dict[int, tuple] | None, now: float
-              ) -> RequestOutput | None:
+    def _book(self, req: Request, token_id: int, logprobs: dict[int, tuple] | None, now: float) -> RequestOutput | None:
         "Book one new token of `req`; its output only when it finished or streams (unread outputs would cost dearly)."
         seq, metrics = req.seq, req.metrics
         if logprobs is not None:
@@ -191,13 +223,13 @@ class OutputProcessor:
         metrics.last_token_time, metrics.num_generated_tokens = now, seq.num_completion_tokens
         if req.detokenizer is not None:
             new_text, params = req.detokenizer.add([token_id]), seq.sampling_params
-            if new_text and seq.num_completion_tokens > params.min_tokens:   # (no stop string before min_tokens)
+            if new_text and seq.num_completion_tokens > params.min_tokens:  # (no stop string before min_tokens)
                 hit = find_stop(req.detokenizer.text, len(new_text), params.stop)
             else:
                 hit = None
             if hit is not None:
-                req.text = req.detokenizer.text[:hit[0] + (len(hit[1]) if params.include_stop_str_in_output else 0)]
-                if seq.is_finished:   # the same token also hit a length limit: the stop string wins, as in vLLM
+                req.text = req.detokenizer.text[: hit[0] + (len(hit[1]) if params.include_stop_str_in_output else 0)]
+                if seq.is_finished:  # the same token also hit a length limit: the stop string wins, as in vLLM
                     seq.finish_reason, seq.stop_reason = "stop", hit[1]
                 else:
                     self.scheduler.finish(seq, "stop", hit[1])
@@ -220,5 +252,7 @@ class OutputProcessor:
             req = self.by_seq.get(seq.seq_id)
             for position in prompt_logprob_positions(seq, n):
                 row = next(rows)
-                if req is not None:   # (not aborted while the step ran)
-                    req.prompt_logprobs[position + 1] = self.as_logprobs(logprob_dict(row, seq.sampling_params.prompt_logprobs))
+                if req is not None:  # (not aborted while the step ran)
+                    req.prompt_logprobs[position + 1] = self.as_logprobs(
+                        logprob_dict(row, seq.sampling_params.prompt_logprobs)
+                    )

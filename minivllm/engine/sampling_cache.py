@@ -18,10 +18,10 @@ class SamplingCache:
         self.device, self.vocab_size, self.stop_ids = device, vocab_size, list(stop_ids)
         self.params: dict[int, SamplingParams] = {}
         self.generators: dict[int, torch.Generator] = {}
-        self.generator = torch.Generator(device).manual_seed(seed)   # this engine's, for requests without a seed
-        self.history: TokenHistory | None = None   # made on first use: 5 bytes x vocab per request that uses it
-        self.prompts: dict[int, list[int]] = {}    # requests that change logits, until they first run
-        self.slots: dict[int, int] = {}            # then: their slot in `history`
+        self.generator = torch.Generator(device).manual_seed(seed)  # this engine's, for requests without a seed
+        self.history: TokenHistory | None = None  # made on first use: 5 bytes x vocab per request that uses it
+        self.prompts: dict[int, list[int]] = {}  # requests that change logits, until they first run
+        self.slots: dict[int, int] = {}  # then: their slot in `history`
         self._seq_ids = np.empty(0, dtype=np.int64)
         self._batch: tuple[SamplingTensors, dict[int, torch.Generator] | None] | None = None
 
@@ -44,7 +44,11 @@ class SamplingCache:
         if self._batch is None or not np.array_equal(seq_ids, self._seq_ids):
             ids = seq_ids.tolist()
             tensors = SamplingTensors.from_params([self.params[i] for i in ids], self.device)
-            rows = {row: self.generators[i] for row, i in enumerate(ids) if i in self.generators} if self.generators else {}
+            rows = (
+                {row: self.generators[i] for row, i in enumerate(ids) if i in self.generators}
+                if self.generators
+                else {}
+            )
             if self.prompts or self.slots:
                 tensors.processors = self._processors(ids)
             self._seq_ids, self._batch = seq_ids.copy(), (tensors, rows or None)
@@ -57,12 +61,13 @@ class SamplingCache:
         if not rows:
             return None
         for i in (ids[r] for r in rows if ids[r] in self.prompts):
-            if len(self.slots) == len(self.history or ()):   # every slot taken
+            if len(self.slots) == len(self.history or ()):  # every slot taken
                 self._grow()
             self.slots[i] = slot = min(set(range(len(self.history))) - set(self.slots.values()))
             self.history.reset(slot, self.prompts.pop(i))
-        return build_logits_processors(rows, [self.params[ids[r]] for r in rows], [self.slots[ids[r]] for r in rows],
-                                       self.history, self.stop_ids)
+        return build_logits_processors(
+            rows, [self.params[ids[r]] for r in rows], [self.slots[ids[r]] for r in rows], self.history, self.stop_ids
+        )
 
     def _grow(self) -> None:
         "Twice the slots (at least 8)."
@@ -71,5 +76,6 @@ class SamplingCache:
         else:
             self.history.grow(2 * len(self.history))
 
+
 # %% auto #0
-__all__ = ['SamplingCache']
+__all__ = ["SamplingCache"]

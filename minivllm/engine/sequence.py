@@ -16,32 +16,41 @@ class SequenceStatus(Enum):
     RUNNING = auto()
     FINISHED = auto()
 
+
 # %% auto #0
-__all__ = ['SequenceStatus', 'Sequence']
+__all__ = ["SequenceStatus", "Sequence"]
+
 
 # %% ../../notebooks/01_sequence.ipynb #39fecc19
 class Sequence:
     "One request's tokens and state, cut into logical blocks of `block_size` tokens."
-    counter = itertools.count()   # ids for sequences made on their own; an engine numbers its own from 0
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 16,
-                 seq_id: int | None = None, arrival_time: float | None = None):
+    counter = itertools.count()  # ids for sequences made on their own; an engine numbers its own from 0
+
+    def __init__(
+        self,
+        token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        block_size: int = 16,
+        seq_id: int | None = None,
+        arrival_time: float | None = None,
+    ):
         self.seq_id = next(Sequence.counter) if seq_id is None else seq_id
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params or SamplingParams()
-        max_tokens = self.sampling_params.max_tokens   # (a copy: the length at which max_tokens ends it)
+        max_tokens = self.sampling_params.max_tokens  # (a copy: the length at which max_tokens ends it)
         self.max_num_tokens = sys.maxsize if max_tokens is None else self.num_prompt_tokens + max_tokens
         self.block_size = block_size
-        self.num_computed_tokens = 0       # leading tokens whose K/V are in the cache
-        self.num_cached_tokens = 0         # of those, found in the prefix cache at admission
-        self.block_table: list[int] = []   # physical KV blocks holding the tokens, in order
+        self.num_computed_tokens = 0  # leading tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # of those, found in the prefix cache at admission
+        self.block_table: list[int] = []  # physical KV blocks holding the tokens, in order
         self.block_hashes: list[int] = []  # chained hashes of its first full blocks (the block manager extends it)
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
-        self.logprobs: list[dict] = []   # per completion token: {token id: Logprob} (notebook 10)
+        self.logprobs: list[dict] = []  # per completion token: {token id: Logprob} (notebook 10)
         self.num_preemptions = 0
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
 
@@ -49,8 +58,10 @@ class Sequence:
         return len(self.token_ids)
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens} "
-                f"(prompt {self.num_prompt_tokens}), computed={self.num_computed_tokens}, blocks={self.block_table})")
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens} "
+            f"(prompt {self.num_prompt_tokens}), computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -62,11 +73,11 @@ class Sequence:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
+        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def last_token(self) -> int:
@@ -99,4 +110,4 @@ class Sequence:
 
     def block(self, i: int) -> list[int]:
         "The token ids of logical block `i`."
-        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]

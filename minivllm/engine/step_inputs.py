@@ -14,30 +14,39 @@ from ..layers.attention import AttentionMetadata
 # Every array of a step: its name, its type and its length in the step's sizes (T new tokens, S sampled rows,
 # B sequences, W the widest block table, P prompt rows whose log-probabilities were asked for), in the order they
 # are packed into one buffer.
-STEP_FIELDS = (("input_ids", np.int64, "T"), ("positions", np.int64, "T"), ("slot_mapping", np.int64, "T"),
-               ("logits_indices", np.int64, "S"), ("seq_ids", np.int64, "S"), ("cu_seqlens_q", np.int32, "B+1"),
-               ("cu_seqlens_k", np.int32, "B+1"), ("context_lens", np.int32, "B"), ("block_tables", np.int32, "BxW"),
-               ("shared_prefix_len", np.int32, "1"), ("prompt_logits_indices", np.int64, "P"),
-               ("prompt_target_ids", np.int64, "P"))
+STEP_FIELDS = (
+    ("input_ids", np.int64, "T"),
+    ("positions", np.int64, "T"),
+    ("slot_mapping", np.int64, "T"),
+    ("logits_indices", np.int64, "S"),
+    ("seq_ids", np.int64, "S"),
+    ("cu_seqlens_q", np.int32, "B+1"),
+    ("cu_seqlens_k", np.int32, "B+1"),
+    ("context_lens", np.int32, "B"),
+    ("block_tables", np.int32, "BxW"),
+    ("shared_prefix_len", np.int32, "1"),
+    ("prompt_logits_indices", np.int64, "P"),
+    ("prompt_target_ids", np.int64, "P"),
+)
 
 
 @dataclass(frozen=True)
 class StepSizes:
-    num_tokens: int    # T
-    num_sampled: int   # S
-    num_seqs: int      # B
-    width: int         # W
-    num_prompt_logits: int = 0   # P (SamplingParams.prompt_logprobs, notebook 10)
+    num_tokens: int  # T
+    num_sampled: int  # S
+    num_seqs: int  # B
+    width: int  # W
+    num_prompt_logits: int = 0  # P (SamplingParams.prompt_logprobs, notebook 10)
 
     def shape(self, size: str) -> tuple[int, ...]:
         t, s, b, w, p = self.num_tokens, self.num_sampled, self.num_seqs, self.width, self.num_prompt_logits
         return {"T": (t,), "S": (s,), "B": (b,), "B+1": (b + 1,), "BxW": (b, w), "1": (1,), "P": (p,)}[size]
 
 
-ALIGN = 16   # bytes: Triton compiles a kernel anew for each alignment of its pointers; keep them all 16-aligned
+ALIGN = 16  # bytes: Triton compiles a kernel anew for each alignment of its pointers; keep them all 16-aligned
 
 
-@functools.lru_cache(maxsize=1024)   # (immutable: steps of the same sizes share their layout)
+@functools.lru_cache(maxsize=1024)  # (immutable: steps of the same sizes share their layout)
 def step_layout(sizes: StepSizes) -> tuple[tuple[str, np.dtype, tuple[int, ...], int], ...]:
     "(name, dtype, shape, byte offset) of each array of a step of these sizes, packed one after the other."
     layout, offset = [], 0
@@ -52,21 +61,41 @@ def step_nbytes(sizes: StepSizes) -> int:
     name, dtype, shape, offset = step_layout(sizes)[-1]
     return offset + int(np.prod(shape)) * dtype.itemsize
 
+
 # %% auto #0
-__all__ = ['STEP_FIELDS', 'ALIGN', 'StepSizes', 'step_layout', 'step_nbytes', 'numpy_views', 'tensor_views', 'no_rows',
-           'StepInputs', 'DeviceStep', 'device_step', 'to_device', 'PinnedUploads']
+__all__ = [
+    "STEP_FIELDS",
+    "ALIGN",
+    "StepSizes",
+    "step_layout",
+    "step_nbytes",
+    "numpy_views",
+    "tensor_views",
+    "no_rows",
+    "StepInputs",
+    "DeviceStep",
+    "device_step",
+    "to_device",
+    "PinnedUploads",
+]
+
 
 # %% ../../notebooks/09_model_runner.ipynb #3ae7912e
 def numpy_views(buffer: np.ndarray, sizes: StepSizes) -> dict[str, np.ndarray]:
     "The step's arrays as views of a uint8 host buffer laid out for `sizes` (no copies)."
-    return {name: buffer[offset:offset + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
-            for name, dtype, shape, offset in step_layout(sizes)}
+    return {
+        name: buffer[offset : offset + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+        for name, dtype, shape, offset in step_layout(sizes)
+    }
 
 
 def tensor_views(buffer: torch.Tensor, sizes: StepSizes) -> dict[str, torch.Tensor]:
     dtypes = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
-    return {name: buffer[offset:offset + int(np.prod(shape)) * dtype.itemsize].view(dtypes[dtype]).view(shape)
-            for name, dtype, shape, offset in step_layout(sizes)}
+    return {
+        name: buffer[offset : offset + int(np.prod(shape)) * dtype.itemsize].view(dtypes[dtype]).view(shape)
+        for name, dtype, shape, offset in step_layout(sizes)
+    }
+
 
 # %% ../../notebooks/09_model_runner.ipynb #44dc9975
 def no_rows() -> np.ndarray:
@@ -76,27 +105,33 @@ def no_rows() -> np.ndarray:
 @dataclass
 class StepInputs:
     "One step's inputs as host arrays: one schema for its journeys to the device, the graphs' buffers, other ranks."
-    input_ids: np.ndarray          # [T] int64 (a step planned ahead: rows of the previous step's sampled tokens)
-    positions: np.ndarray          # [T] int64
-    slot_mapping: np.ndarray       # [T] int64: cache slot of each new token
-    logits_indices: np.ndarray     # [S] int64: the rows whose hidden states become logits
-    seq_ids: np.ndarray            # [S] int64: the sequence each sampled row belongs to
-    cu_seqlens_q: np.ndarray       # [B+1] int32
-    cu_seqlens_k: np.ndarray       # [B+1] int32
-    context_lens: np.ndarray       # [B] int32: KV length of each sequence after the step
-    block_tables: np.ndarray       # [B, W] int32, padded with -1
+
+    input_ids: np.ndarray  # [T] int64 (a step planned ahead: rows of the previous step's sampled tokens)
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64: cache slot of each new token
+    logits_indices: np.ndarray  # [S] int64: the rows whose hidden states become logits
+    seq_ids: np.ndarray  # [S] int64: the sequence each sampled row belongs to
+    cu_seqlens_q: np.ndarray  # [B+1] int32
+    cu_seqlens_k: np.ndarray  # [B+1] int32
+    context_lens: np.ndarray  # [B] int32: KV length of each sequence after the step
+    block_tables: np.ndarray  # [B, W] int32, padded with -1
     shared_prefix_len: np.ndarray  # [1] int32: a prefix every sequence of a decode step shares, read once (06); or 0
     max_seqlen_q: int
     max_seqlen_k: int
-    ahead: bool = False            # planned ahead: `input_ids` are rows of the previous step's samples (10)
-    prompt_logits_indices: np.ndarray = field(default_factory=no_rows)   # [P] int64: the prompt rows whose
-    prompt_target_ids: np.ndarray = field(default_factory=no_rows)       # log-probabilities were asked for, and the
+    ahead: bool = False  # planned ahead: `input_ids` are rows of the previous step's samples (10)
+    prompt_logits_indices: np.ndarray = field(default_factory=no_rows)  # [P] int64: the prompt rows whose
+    prompt_target_ids: np.ndarray = field(default_factory=no_rows)  # log-probabilities were asked for, and the
     # prompt token that follows each
 
     @property
     def sizes(self) -> StepSizes:
-        return StepSizes(len(self.input_ids), len(self.seq_ids), len(self.context_lens), self.block_tables.shape[1],
-                         len(self.prompt_logits_indices))
+        return StepSizes(
+            len(self.input_ids),
+            len(self.seq_ids),
+            len(self.context_lens),
+            self.block_tables.shape[1],
+            len(self.prompt_logits_indices),
+        )
 
     @property
     def is_decode_only(self) -> bool:
@@ -116,14 +151,23 @@ class StepInputs:
     def header(self) -> list[int]:
         "The sizes and scalars: with the packed buffer, all another process needs to have the step again."
         s = self.sizes
-        return [s.num_tokens, s.num_sampled, s.num_seqs, s.width, self.max_seqlen_q, self.max_seqlen_k, self.ahead,
-                s.num_prompt_logits]
+        return [
+            s.num_tokens,
+            s.num_sampled,
+            s.num_seqs,
+            s.width,
+            self.max_seqlen_q,
+            self.max_seqlen_k,
+            self.ahead,
+            s.num_prompt_logits,
+        ]
 
     @classmethod
     def unpack(cls, header: list[int], buffer: np.ndarray) -> StepInputs:
         "The step again, from its header and packed buffer; its arrays are views of `buffer`."
         views = numpy_views(buffer, StepSizes(*header[:4], header[7]))
         return cls(**views, max_seqlen_q=header[4], max_seqlen_k=header[5], ahead=bool(header[6]))
+
 
 # %% ../../notebooks/09_model_runner.ipynb #674c1c7a
 @dataclass
@@ -132,14 +176,22 @@ class DeviceStep:
     positions: torch.Tensor
     logits_indices: torch.Tensor
     meta: AttentionMetadata
-    prompt_logits_indices: torch.Tensor | None = None   # None: no prompt log-probabilities in this step
+    prompt_logits_indices: torch.Tensor | None = None  # None: no prompt log-probabilities in this step
     prompt_target_ids: torch.Tensor | None = None
 
 
 def device_step(step: StepInputs, t: dict[str, torch.Tensor]) -> DeviceStep:
     cascade = t["shared_prefix_len"] if step.shared_prefix_len[0] else None
-    meta = AttentionMetadata(t["cu_seqlens_q"], t["cu_seqlens_k"], step.max_seqlen_q, step.max_seqlen_k,
-                             t["slot_mapping"], t["context_lens"], t["block_tables"], cascade)
+    meta = AttentionMetadata(
+        t["cu_seqlens_q"],
+        t["cu_seqlens_k"],
+        step.max_seqlen_q,
+        step.max_seqlen_k,
+        t["slot_mapping"],
+        t["context_lens"],
+        t["block_tables"],
+        cascade,
+    )
     prompt = (t["prompt_logits_indices"], t["prompt_target_ids"]) if len(step.prompt_logits_indices) else (None, None)
     return DeviceStep(t["input_ids"], t["positions"], t["logits_indices"], meta, *prompt)
 
@@ -149,6 +201,7 @@ def to_device(step: StepInputs, device: torch.device) -> DeviceStep:
     if device.type == "cpu":
         return device_step(step, {name: torch.from_numpy(getattr(step, name)) for name, _, _ in STEP_FIELDS})
     return device_step(step, tensor_views(torch.from_numpy(step.pack()).to(device), step.sizes))
+
 
 # %% ../../notebooks/09_model_runner.ipynb #c9fd7e16
 class PinnedUploads:

@@ -13,6 +13,7 @@ from .sequence import Sequence
 @dataclass
 class StepRecord:
     "One engine step, as plain data: which sequences ran, how many tokens each, and the state after the step."
+
     step: int
     seq_ids: list[int]
     num_tokens: list[int]
@@ -25,15 +26,35 @@ class StepRecord:
     kv_usage: float = 0.0
     start: float | None = None
     duration: float | None = None
-    wait: float | None = None        # of the duration, seconds the host waited for the device's result
+    wait: float | None = None  # of the duration, seconds the host waited for the device's result
 
     @classmethod
-    def from_step(cls, step: int, plan: StepPlan, finished: list[Sequence], scheduler: Scheduler,
-                  start: float | None = None, duration: float | None = None, wait: float | None = None) -> StepRecord:
+    def from_step(
+        cls,
+        step: int,
+        plan: StepPlan,
+        finished: list[Sequence],
+        scheduler: Scheduler,
+        start: float | None = None,
+        duration: float | None = None,
+        wait: float | None = None,
+    ) -> StepRecord:
         "Record a step after `scheduler.postprocess(plan, ...)` returned `finished` (the plan's lists are not copied)."
-        return cls(step, [s.seq_id for s in plan.seqs], plan.num_new_tokens, plan.prefill, plan.sample,
-                   [s.seq_id for s in plan.preempted], [s.seq_id for s in finished], len(scheduler.running),
-                   len(scheduler.waiting), scheduler.block_manager.usage, start, duration, wait)
+        return cls(
+            step,
+            [s.seq_id for s in plan.seqs],
+            plan.num_new_tokens,
+            plan.prefill,
+            plan.sample,
+            [s.seq_id for s in plan.preempted],
+            [s.seq_id for s in finished],
+            len(scheduler.running),
+            len(scheduler.waiting),
+            scheduler.block_manager.usage,
+            start,
+            duration,
+            wait,
+        )
 
     @property
     def total_tokens(self) -> int:
@@ -62,5 +83,6 @@ def token_times(records: SequenceLike[StepRecord], use_time: bool = False) -> di
                 times.setdefault(sid, []).append(end)
     return times
 
+
 # %% auto #0
-__all__ = ['StepRecord', 'token_times']
+__all__ = ["StepRecord", "token_times"]

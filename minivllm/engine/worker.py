@@ -25,7 +25,7 @@ from .executor import Executor
 from .model_runner import ModelRunner, StepHandle
 from .step_inputs import StepInputs
 
-FAIL_ENV = "MINIVLLM_TP_FAIL"   # a test hook: "1:load" makes rank 1 raise while it loads, "1:step" at its first step
+FAIL_ENV = "MINIVLLM_TP_FAIL"  # a test hook: "1:load" makes rank 1 raise while it loads, "1:step" at its first step
 
 
 def failure_hook(rank: int) -> str | None:
@@ -43,9 +43,23 @@ def cpu_threads_per_rank(world_size: int) -> int:
     "On a CPU the ranks share the cores: each gets its part (threads that outnumber the cores spin and stall)."
     return max(1, torch.get_num_threads() // world_size)
 
+
 # %% auto #0
-__all__ = ['FAIL_ENV', 'failure_hook', 'inject_failure', 'cpu_threads_per_rank', 'TPExecutor', 'follow', 'serve_driver',
-           'exit_with_parent', 'run_worker', 'FailureWatch', 'report_failure', 'torchrun_rank']
+__all__ = [
+    "FAIL_ENV",
+    "failure_hook",
+    "inject_failure",
+    "cpu_threads_per_rank",
+    "TPExecutor",
+    "follow",
+    "serve_driver",
+    "exit_with_parent",
+    "run_worker",
+    "FailureWatch",
+    "report_failure",
+    "torchrun_rank",
+]
+
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #a2b7ba27
 class TPExecutor(Executor):
@@ -59,16 +73,16 @@ class TPExecutor(Executor):
         self._check()
         try:
             send_step(step.header(), step.pack(), self.tp)
-            if self.failure is not None:   # torchrun: every rank took the step before any device runs it
+            if self.failure is not None:  # torchrun: every rank took the step before any device runs it
                 confirm_step(self.tp, self._check)
             return self.runner.execute(step)
-        except RuntimeError:   # a collective failed (on a CPU, the step runs here): the failed rank says why
+        except RuntimeError:  # a collective failed (on a CPU, the step runs here): the failed rank says why
             self._check(wait=15.0)
             raise
 
     def collect(self, handle: StepHandle):
         while self.failure is not None and handle.copied is not None and not handle.copied.query():
-            self._check()   # torchrun on a GPU: a wait that sees a failed rank (and Ctrl-C)
+            self._check()  # torchrun on a GPU: a wait that sees a failed rank (and Ctrl-C)
             time.sleep(1e-4)
         try:
             return self.runner.collect(handle)
@@ -87,6 +101,7 @@ class TPExecutor(Executor):
         send_stop(self.tp)
         super().close()
         leave_group(self.tp)
+
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #f14e76a3
 def follow(runner: ModelRunner, tp: TPGroup, hook: str | None = None, confirm: bool = False) -> None:
@@ -123,6 +138,7 @@ def serve_driver(executor: TPExecutor, conn: Connection, hook: str | None = None
             executor.close()
             return
 
+
 # %% ../../notebooks/12_tensor_parallel.ipynb #f8aa3195
 def exit_with_parent(status: Connection) -> None:
     "A thread that ends this process when the driving process is gone (its end of the pipe closed, or a new parent)."
@@ -132,6 +148,7 @@ def exit_with_parent(status: Connection) -> None:
         while not status.poll(1.0) and os.getppid() == parent:
             pass
         os._exit(1)
+
     threading.Thread(target=watch, name="minivllm-parent-watch", daemon=True).start()
 
 
@@ -158,7 +175,8 @@ def run_worker(config: Config, rank: int, store_port: int, status: Connection, r
             status.send(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
         finally:
             os._exit(1)
-    os._exit(0)   # everything is released: skip the interpreter's slow teardown
+    os._exit(0)  # everything is released: skip the interpreter's slow teardown
+
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #fae2e5c7
 class FailureWatch:
@@ -196,29 +214,40 @@ class FailureWatch:
 def report_failure(store: dist.Store, tp: TPGroup, error: BaseException) -> None:
     "A failed torchrun rank: its error to rank 0, then leave the group (rank 0's collective fails), exit once raised."
     traceback.print_exc()
-    store.set("failure", f"tensor-parallel worker rank {tp.rank} failed: {type(error).__name__}: {error}\n\n"
-                         f"--- traceback of rank {tp.rank} ---\n{traceback.format_exc()}")
-    with contextlib.suppress(Exception):   # rank 0 never read it: torchrun ends every rank anyway once this one exits
+    store.set(
+        "failure",
+        f"tensor-parallel worker rank {tp.rank} failed: {type(error).__name__}: {error}\n\n"
+        f"--- traceback of rank {tp.rank} ---\n{traceback.format_exc()}",
+    )
+    with contextlib.suppress(Exception):  # rank 0 never read it: torchrun ends every rank anyway once this one exits
         store.wait(["failure_seen"], timedelta(seconds=10))
         if tp.device_group is not tp.control_group:
             tp.device_group.abort()
         dist.destroy_process_group()
         store.wait(["failure_raised"], timedelta(seconds=30))
-        time.sleep(1.0)   # (rank 0 prints its error; torchrun ends it once this rank exits)
+        time.sleep(1.0)  # (rank 0 prints its error; torchrun ends it once this rank exits)
+
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #4526c26a
 def torchrun_rank(config: Config, launched) -> TPExecutor:
     "This torchrun rank: rank 0 returns its executor; the others serve it inside the LLM constructor, then exit."
     if launched.world_size != config.tensor_parallel_size:
-        raise ValueError(f"torchrun started {launched.world_size} processes, but tensor_parallel_size is "
-                         f"{config.tensor_parallel_size}: they must be equal")
+        raise ValueError(
+            f"torchrun started {launched.world_size} processes, but tensor_parallel_size is "
+            f"{config.tensor_parallel_size}: they must be equal"
+        )
     device = torch.device("cuda", launched.local_rank) if config.device == "cuda" else torch.device("cpu")
     torch.cuda.set_device(device) if device.type == "cuda" else torch.set_num_threads(
-        cpu_threads_per_rank(launched.world_size))
-    tp, store, hook = join_group(launched.rank, launched.world_size, device), torchrun_store(), failure_hook(launched.rank)
+        cpu_threads_per_rank(launched.world_size)
+    )
+    tp, store, hook = (
+        join_group(launched.rank, launched.world_size, device),
+        torchrun_store(),
+        failure_hook(launched.rank),
+    )
     if launched.rank == 0:
         return TPExecutor(config, ModelRunner(config, launched.local_rank, tp), tp, FailureWatch(store))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is rank 0's to handle
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     try:
         inject_failure(launched.rank, "load", hook)
         runner = ModelRunner(config, launched.local_rank, tp)

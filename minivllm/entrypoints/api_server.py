@@ -12,6 +12,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from minivllm.entrypoints.openai_format import (
+    chat_chunks,
+    chat_logprobs,
+    completion_choice,
+    completion_chunks,
+    echo_choice,
+    prompt_logprobs_json,
+    sse,
+    usage,
+)
+from minivllm.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    ignored_fields,
+    logger,
+)
+
 from .. import __version__
 from ..llm import as_prompt_list
 from ..outputs import RequestOutput
@@ -19,14 +38,16 @@ from .async_llm import AsyncLLM, RequestOutputStream
 from .errors import ERROR_KINDS, APIError, add_error_handlers
 from .metrics import EngineMetrics
 from .middleware import APIKeyCheck, BodyLimit
-from .openai_format import (chat_chunks, chat_logprobs, completion_choice, completion_chunks,
-                                                echo_choice, prompt_logprobs_json, sse, usage)
-from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                           TokenizeRequest, ignored_fields, logger)
 
 
-def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_waiting_requests: int = 1024,
-              max_request_bytes: int = 1 << 20, shutdown_engine: bool = False) -> FastAPI:
+def build_app(
+    llm: AsyncLLM,
+    model_name: str,
+    api_key: str | None = None,
+    max_waiting_requests: int = 1024,
+    max_request_bytes: int = 1 << 20,
+    shutdown_engine: bool = False,
+) -> FastAPI:
     """The OpenAI-compatible app over `llm`: /v1/models (and /v1/models/{id}), /v1/completions, /v1/chat/completions,
     /tokenize, /detokenize, /version, /health, /metrics.
     With `shutdown_engine`, the server's shutdown (SIGTERM, Ctrl-C) also shuts the engine down."""
@@ -46,7 +67,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_wa
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI):
     yield
-    if app.state.shutdown_engine:   # (uvicorn runs this in its graceful shutdown, before it exits)
+    if app.state.shutdown_engine:  # (uvicorn runs this in its graceful shutdown, before it exits)
         app.state.llm.shutdown()
 
 
@@ -61,10 +82,30 @@ def add_routes(app: FastAPI) -> None:
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat_completions)
 
+
 # %% auto #0
-__all__ = ['build_app', 'lifespan', 'add_routes', 'health', 'metrics', 'models', 'model', 'model_card', 'check_model', 'submit',
-           'fits', 'until_disconnected', 'completions', 'warn_ignored', 'chat_completions', 'render_chat', 'tokenize',
-           'detokenize', 'version']
+__all__ = [
+    "build_app",
+    "lifespan",
+    "add_routes",
+    "health",
+    "metrics",
+    "models",
+    "model",
+    "model_card",
+    "check_model",
+    "submit",
+    "fits",
+    "until_disconnected",
+    "completions",
+    "warn_ignored",
+    "chat_completions",
+    "render_chat",
+    "tokenize",
+    "detokenize",
+    "version",
+]
+
 
 # %% ../../notebooks/11_serving.ipynb #782073b8
 async def health(request: Request):
@@ -87,14 +128,21 @@ async def model(model_id: str, request: Request):
 
 
 def model_card(state) -> dict:
-    return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "minivllm",
-            "root": state.llm.engine.config.model, "max_model_len": state.llm.engine.config.max_model_len}
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "minivllm",
+        "root": state.llm.engine.config.model,
+        "max_model_len": state.llm.engine.config.max_model_len,
+    }
 
 
 def check_model(state, model: str | None) -> None:
     if model is not None and model != state.model_name:
-        raise APIError(404, f"the model {model!r} does not exist (this server has {state.model_name!r})",
-                       ERROR_KINDS[404])
+        raise APIError(
+            404, f"the model {model!r} does not exist (this server has {state.model_name!r})", ERROR_KINDS[404]
+        )
 
 
 def submit(request: Request, model: str | None, prompts: list, params, prefix: str) -> list[RequestOutputStream]:
@@ -104,18 +152,32 @@ def submit(request: Request, model: str | None, prompts: list, params, prefix: s
     if not prompts:
         raise APIError(400, "no prompt given", ERROR_KINDS[400])
     llm: AsyncLLM = state.llm
-    wanted = len(prompts) * params.n   # the sequences it queues: n samples of each prompt
-    if 0 < state.max_waiting < wanted:   # (never: a retry cannot help)
-        raise APIError(400, f"{len(prompts)} prompt(s) x n={params.n} is {wanted} sequences, more than this server "
-                       f"queues ({state.max_waiting})", ERROR_KINDS[400])
+    wanted = len(prompts) * params.n  # the sequences it queues: n samples of each prompt
+    if 0 < state.max_waiting < wanted:  # (never: a retry cannot help)
+        raise APIError(
+            400,
+            f"{len(prompts)} prompt(s) x n={params.n} is {wanted} sequences, more than this server "
+            f"queues ({state.max_waiting})",
+            ERROR_KINDS[400],
+        )
     if llm.num_waiting + wanted > state.max_waiting:
-        raise APIError(503, f"over {state.max_waiting} requests are waiting: retry later", ERROR_KINDS[503],
-                       headers={"Retry-After": "1"})
+        raise APIError(
+            503,
+            f"over {state.max_waiting} requests are waiting: retry later",
+            ERROR_KINDS[503],
+            headers={"Retry-After": "1"},
+        )
     request_id, streams = f"{prefix}-{uuid.uuid4().hex}", []
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(llm.generate(prompt, params, f"{request_id}-{i}", check=lambda ids: fits(
-                len(ids), params.max_tokens, llm.engine.config.max_model_len)))
+            streams.append(
+                llm.generate(
+                    prompt,
+                    params,
+                    f"{request_id}-{i}",
+                    check=lambda ids: fits(len(ids), params.max_tokens, llm.engine.config.max_model_len),
+                )
+            )
     except BaseException:
         for stream in streams:
             stream.close()
@@ -126,17 +188,24 @@ def submit(request: Request, model: str | None, prompts: list, params, prefix: s
 def fits(prompt: int, max_tokens: int | None, max_model_len: int) -> None:
     "A max_tokens that cannot fit beside a prompt in the context: 400 naming both numbers (vLLM's check)."
     if max_tokens is not None and prompt + max_tokens > max_model_len:
-        raise APIError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
-                       f"maximum context length is {max_model_len} tokens and your request has {prompt} input "
-                       f"tokens ({max_tokens} > {max_model_len} - {prompt})", ERROR_KINDS[400])
+        raise APIError(
+            400,
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+            f"maximum context length is {max_model_len} tokens and your request has {prompt} input "
+            f"tokens ({max_tokens} > {max_model_len} - {prompt})",
+            ERROR_KINDS[400],
+        )
+
 
 # %% ../../notebooks/11_serving.ipynb #51bff0e1
 async def until_disconnected(request: Request, streams: list[RequestOutputStream]) -> list[RequestOutput] | None:
     "Every stream's final output; None when the client hangs up first (checked twice a second): then they are aborted."
+
     async def final(stream):
         async for out in stream:
             pass
         return out
+
     work = asyncio.ensure_future(asyncio.gather(*map(final, streams)))
     try:
         while not work.done():
@@ -146,7 +215,7 @@ async def until_disconnected(request: Request, streams: list[RequestOutputStream
         return work.result()
     finally:
         work.cancel()
-        work.add_done_callback(lambda f: f.cancelled() or f.exception())   # (retrieved: asyncio logs it otherwise)
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())  # (retrieved: asyncio logs it otherwise)
         for stream in streams:
             stream.close()
 
@@ -161,22 +230,32 @@ async def completions(body: CompletionRequest, request: Request):
     if body.echo and llm.tokenizer is None:
         raise APIError(400, "echo needs a tokenizer (the engine was started without one)")
     prompt_logprobs = body.logprobs if body.echo and body.prompt_logprobs is None else body.prompt_logprobs
-    max_tokens = 1 if body.max_tokens == 0 else body.max_tokens   # (vLLM's way: one token made, not returned)
+    max_tokens = 1 if body.max_tokens == 0 else body.max_tokens  # (vLLM's way: one token made, not returned)
     params = body.sampling_params(llm.engine.default_params, max_tokens, body.logprobs, prompt_logprobs)
     streams = submit(request, body.model, as_prompt_list(body.prompt), params, "cmpl")
-    head = {"id": streams[0].request_id.rsplit("-", 1)[0], "created": int(time.time()),
-            "model": request.app.state.model_name}
+    head = {
+        "id": streams[0].request_id.rsplit("-", 1)[0],
+        "created": int(time.time()),
+        "model": request.app.state.model_name,
+    }
     decode, logprobs = getattr(llm.tokenizer, "decode", None), body.logprobs is not None
-    echo = None if not body.echo else (   # (each choice's prompt before it; in a stream, in its first chunk)
-        lambda index, c, out: echo_choice(index, c, out, decode, body.max_tokens != 0, logprobs))
+    echo = (
+        None
+        if not body.echo
+        # (each choice's prompt before it; in a stream, in its first chunk)
+        else (lambda index, c, out: echo_choice(index, c, out, decode, body.max_tokens != 0, logprobs))
+    )
     if body.stream:
         return sse(completion_chunks(streams, head, params.n, body.include_usage, body.continuous_usage, echo))
     finals = await until_disconnected(request, streams)
     if finals is None:
-        return Response(status_code=499)   # (nginx's "client closed request": nobody reads it)
-    choices = [(echo(i * params.n + c.index, c, out) if echo else completion_choice(i * params.n + c.index, c))
-               | {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
-               for i, out in enumerate(finals) for c in out.outputs]
+        return Response(status_code=499)  # (nginx's "client closed request": nobody reads it)
+    choices = [
+        (echo(i * params.n + c.index, c, out) if echo else completion_choice(i * params.n + c.index, c))
+        | {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
+        for i, out in enumerate(finals)
+        for c in out.outputs
+    ]
     return {**head, "object": "text_completion", "choices": choices, "usage": usage(finals)}
 
 
@@ -202,9 +281,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     finals = await until_disconnected(request, streams)
     if finals is None:
         return Response(status_code=499)
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c, logprobs), "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason} for c in finals[0].outputs]
+    choices = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(c, logprobs),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        for c in finals[0].outputs
+    ]
     return {**head, "object": "chat.completion", "choices": choices, "usage": usage(finals)}
 
 
@@ -212,14 +298,18 @@ def render_chat(llm: AsyncLLM, messages: list, add_generation_prompt: bool, temp
     "The messages (a content may be a list of text parts) through the model's chat template, as the prompt's text."
     if llm.tokenizer is None:
         raise APIError(400, "chat needs a tokenizer (the engine was started without one)", ERROR_KINDS[400])
-    if "chat_template" in (template_kwargs or {}):   # (its loops would run on the server's event loop)
-        raise APIError(400, "chat_template_kwargs may not hold a chat_template: this server runs only its model's",
-                       ERROR_KINDS[400])
+    if "chat_template" in (template_kwargs or {}):  # (its loops would run on the server's event loop)
+        raise APIError(
+            400,
+            "chat_template_kwargs may not hold a chat_template: this server runs only its model's",
+            ERROR_KINDS[400],
+        )
     as_dicts = [m.as_dict(f"messages.{i}") for i, m in enumerate(messages)]
     try:
-        return llm.tokenizer.apply_chat_template(as_dicts, tokenize=False, **(template_kwargs or {}),
-                                                 add_generation_prompt=add_generation_prompt)
-    except Exception as e:   # (jinja's errors: a template that rejects these messages)
+        return llm.tokenizer.apply_chat_template(
+            as_dicts, tokenize=False, **(template_kwargs or {}), add_generation_prompt=add_generation_prompt
+        )
+    except Exception as e:  # (jinja's errors: a template that rejects these messages)
         raise APIError(400, f"the chat template failed on these messages: {e}", ERROR_KINDS[400]) from None
 
 
@@ -235,13 +325,17 @@ async def tokenize(body: TokenizeRequest, request: Request):
         raise APIError(400, "tokenize needs a tokenizer (the engine was started without one)")
     if body.messages is not None:
         text = render_chat(llm, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
-        special = bool(body.add_special_tokens)   # (the template wrote the special tokens already)
+        special = bool(body.add_special_tokens)  # (the template wrote the special tokens already)
     else:
         text, special = body.prompt, body.add_special_tokens is not False
     tokens = llm.tokenizer.encode(text, add_special_tokens=special)
     strs = llm.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
-    return {"count": len(tokens), "max_model_len": llm.engine.config.max_model_len, "tokens": tokens,
-            "token_strs": strs}
+    return {
+        "count": len(tokens),
+        "max_model_len": llm.engine.config.max_model_len,
+        "tokens": tokens,
+        "token_strs": strs,
+    }
 
 
 async def detokenize(body: DetokenizeRequest, request: Request):
@@ -259,4 +353,3 @@ async def detokenize(body: DetokenizeRequest, request: Request):
 
 async def version(request: Request):
     return {"version": __version__}
-

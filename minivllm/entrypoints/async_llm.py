@@ -29,9 +29,16 @@ def merge_delta(total: RequestOutput | None, delta: RequestOutput) -> RequestOut
     merged = {c.index: c for c in total.outputs}
     for c in delta.outputs:
         old = merged.get(c.index)
-        merged[c.index] = c if old is None else dataclasses.replace(
-            c, text=old.text + c.text, token_ids=old.token_ids + c.token_ids,
-            logprobs=old.logprobs if c.logprobs is None else (old.logprobs or []) + c.logprobs)
+        merged[c.index] = (
+            c
+            if old is None
+            else dataclasses.replace(
+                c,
+                text=old.text + c.text,
+                token_ids=old.token_ids + c.token_ids,
+                logprobs=old.logprobs if c.logprobs is None else (old.logprobs or []) + c.logprobs,
+            )
+        )
     return dataclasses.replace(delta, outputs=[merged[i] for i in sorted(merged)])
 
 
@@ -41,11 +48,21 @@ def aborted_output(last: RequestOutput, n: int, ended: set[int]) -> RequestOutpu
     return dataclasses.replace(last, outputs=aborted, finished=True)
 
 
-ABORTED = "aborted"   # what the engine thread puts into an aborted request's stream
-TOKENS = itertools.count()   # each stream's own number: an abort or an output reaches the stream it was meant for
+ABORTED = "aborted"  # what the engine thread puts into an aborted request's stream
+TOKENS = itertools.count()  # each stream's own number: an abort or an output reaches the stream it was meant for
 
 # %% auto #0
-__all__ = ['ABORTED', 'TOKENS', 'EngineDeadError', 'merge_delta', 'aborted_output', 'RequestOutputStream', 'AsyncLLM', 'put_all']
+__all__ = [
+    "ABORTED",
+    "TOKENS",
+    "EngineDeadError",
+    "merge_delta",
+    "aborted_output",
+    "RequestOutputStream",
+    "AsyncLLM",
+    "put_all",
+]
+
 
 # %% ../../notebooks/11_serving.ipynb #e055a38a
 class RequestOutputStream:
@@ -58,9 +75,9 @@ class RequestOutputStream:
     def __init__(self, llm: AsyncLLM, request_id: str, kind: RequestOutputKind, head: RequestOutput, n: int = 1):
         self.llm, self.request_id, self.kind, self.token = llm, request_id, kind, next(TOKENS)
         self.loop, self.ready = asyncio.get_running_loop(), asyncio.Event()
-        self.pending: RequestOutput | BaseException | None = None   # what the reader has not taken yet
+        self.pending: RequestOutput | BaseException | None = None  # what the reader has not taken yet
         self.finished, self.total = False, None
-        self.last, self.n, self.ended = head, n, set()   # the latest output, and the samples that ended
+        self.last, self.n, self.ended = head, n, set()  # the latest output, and the samples that ended
 
     def push(self, item: RequestOutput | BaseException) -> None:
         "On the event loop's thread: `item` joins what waits for the reader (an error replaces it)."
@@ -81,7 +98,7 @@ class RequestOutputStream:
             raise StopAsyncIteration
         try:
             await self.ready.wait()
-        except BaseException:   # cancelled: the request goes
+        except BaseException:  # cancelled: the request goes
             self.close()
             raise
         item, self.pending = self.pending, None
@@ -118,14 +135,14 @@ class AsyncLLM:
     the engine while any number of coroutines add requests, read their outputs, and abort them."""
 
     def __init__(self, model: str, **kwargs):
-        self.engine = LLMEngine(model, **kwargs)   # (made here, so that a bad argument raises here)
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()   # what coroutines ask of the engine thread
-        self.streams: dict[str, int] = {}   # the request ids in use, each with its stream's token
-        self.routes: dict[int, tuple[asyncio.AbstractEventLoop, weakref.ref]] = {}   # each stream's loop, by token
-        self.lock = threading.RLock()   # (streams and routes change on any event loop's thread, and in __del__)
-        self.owners: dict[str, int] = {}   # (the engine thread's) each running request's stream, by its token
-        self.step_hooks: list[Callable[[list[RequestOutput], float], None]] = []   # run after each step
-        self.error: BaseException | None = None   # what ended the engine loop
+        self.engine = LLMEngine(model, **kwargs)  # (made here, so that a bad argument raises here)
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()  # what coroutines ask of the engine thread
+        self.streams: dict[str, int] = {}  # the request ids in use, each with its stream's token
+        self.routes: dict[int, tuple[asyncio.AbstractEventLoop, weakref.ref]] = {}  # each stream's loop, by token
+        self.lock = threading.RLock()  # (streams and routes change on any event loop's thread, and in __del__)
+        self.owners: dict[str, int] = {}  # (the engine thread's) each running request's stream, by its token
+        self.step_hooks: list[Callable[[list[RequestOutput], float], None]] = []  # run after each step
+        self.error: BaseException | None = None  # what ended the engine loop
         self.dead, self.closed = False, False
         self.thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self.thread.start()
@@ -147,9 +164,13 @@ class AsyncLLM:
         return dataclasses.replace(self.engine.default_params)
 
     # %% ../../notebooks/11_serving.ipynb #c2ad79b3
-    def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None, check: Callable[[list[int]], None] | None = None
-                 ) -> RequestOutputStream:
+    def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        check: Callable[[list[int]], None] | None = None,
+    ) -> RequestOutputStream:
         """Check and queue one request now (bad input raises here, and so may `check`, the caller's own look at the
         prompt's token ids); iterate the result with `async for` to get its outputs as the engine makes them: everything
         so far (CUMULATIVE, the default), only what is new (DELTA), or the finished output alone (FINAL_ONLY), per
@@ -165,7 +186,7 @@ class AsyncLLM:
             stream = RequestOutputStream(self, request_id, kind, head, checked[2].n)
             self.streams[request_id] = stream.token
             self.routes[stream.token] = (stream.loop, weakref.ref(stream))
-        if not self.is_running:   # (checked after registering: a dying engine thread fails every stream it sees)
+        if not self.is_running:  # (checked after registering: a dying engine thread fails every stream it sees)
             stream.finished = True
             self._release(request_id, stream.token)
             raise EngineDeadError("the engine is not running") from self.error
@@ -182,7 +203,7 @@ class AsyncLLM:
         "The stream `token` has ended, closed or gone: its id is free for a new request, and nothing more reaches it."
         with self.lock:
             self.routes.pop(token, None)
-            if self.streams.get(request_id) == token:   # (not a later request's stream of the same id)
+            if self.streams.get(request_id) == token:  # (not a later request's stream of the same id)
                 del self.streams[request_id]
 
     # %% ../../notebooks/11_serving.ipynb #64f986f7
@@ -193,15 +214,16 @@ class AsyncLLM:
             while self._apply(wait=not engine.has_unfinished_requests()):
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
-                    for hook in self.step_hooks:   # (first: a reader who sees the outputs sees the metrics too)
+                    for hook in self.step_hooks:  # (first: a reader who sees the outputs sees the metrics too)
                         hook(outputs, time.perf_counter())
                     self._deliver(outputs)
-        except BaseException as e:   # the engine loop is over: every waiting request learns why
+        except BaseException as e:  # the engine loop is over: every waiting request learns why
             self.error = e
         finally:
             self.dead = True
-            error = EngineDeadError("the engine was shut down" if self.error is None else
-                                    f"the engine loop failed: {self.error!r}")
+            error = EngineDeadError(
+                "the engine was shut down" if self.error is None else f"the engine loop failed: {self.error!r}"
+            )
             with self.lock:
                 tokens = list(self.routes)
             self._send([(token, error) for token in tokens])
@@ -217,12 +239,12 @@ class AsyncLLM:
         each loop per call. Only weak references leave this thread, so a stream its reader drops goes at once."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for token, item in items:
-            if (route := self.routes.get(token)) is not None:   # (None: closed, dropped or ended)
+            if (route := self.routes.get(token)) is not None:  # (None: closed, dropped or ended)
                 by_loop.setdefault(route[0], []).append((route[1], item))
         for loop, batch in by_loop.items():
             try:
                 loop.call_soon_threadsafe(put_all, batch)
-            except RuntimeError:   # that event loop is closed: nobody waits any more
+            except RuntimeError:  # that event loop is closed: nobody waits any more
                 pass
 
     # %% ../../notebooks/11_serving.ipynb #75042e0e
@@ -234,11 +256,11 @@ class AsyncLLM:
                 kind, request_id, *args = command
                 if kind == "add":
                     self._add(request_id, *args)
-                elif self.owners.get(request_id) == args[0]:   # (else it ended, or the id is a later request's now)
+                elif self.owners.get(request_id) == args[0]:  # (else it ended, or the id is a later request's now)
                     del self.owners[request_id]
                     self.engine.abort_request(request_id)
-                    self._send([(args[0], ABORTED)])   # (if it is still awaited)
-                    for hook in self.step_hooks:   # (the metrics' gauges drop now, not after some later step)
+                    self._send([(args[0], ABORTED)])  # (if it is still awaited)
+                    for hook in self.step_hooks:  # (the metrics' gauges drop now, not after some later step)
                         hook([], time.perf_counter())
                 command = self.commands.get_nowait()
             return False
@@ -249,7 +271,7 @@ class AsyncLLM:
         try:
             self.engine._add(*checked, request_id, stream)
             self.owners[request_id] = token
-        except (ValueError, TypeError) as e:   # (an id in use: a sample's of another request, say)
+        except (ValueError, TypeError) as e:  # (an id in use: a sample's of another request, say)
             self._send([(token, e)])
 
     # %% ../../notebooks/11_serving.ipynb #e7aa9027
@@ -270,6 +292,7 @@ class AsyncLLM:
 
     async def __aexit__(self, *exc) -> None:
         self.shutdown()
+
 
 # %% ../../notebooks/11_serving.ipynb #64f986f7
 def put_all(items: list[tuple[weakref.ref, RequestOutput | BaseException | str]]) -> None:

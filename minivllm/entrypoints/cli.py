@@ -10,21 +10,30 @@ import sys
 from .api_server import build_app
 from .async_llm import AsyncLLM
 
-
-ENGINE_FLAGS = (("--device", str, "auto"), ("--dtype", str, "auto"), ("--max-model-len", int, None),
-                ("--max-num-seqs", int, None), ("--max-num-batched-tokens", int, None),
-                ("--gpu-memory-utilization", float, None), ("--tensor-parallel-size", int, None),
-                ("--block-size", int, None), ("--seed", int, None), ("--generation-config", str, None),
-                ("--tokenizer", str, None))
+ENGINE_FLAGS = (
+    ("--device", str, "auto"),
+    ("--dtype", str, "auto"),
+    ("--max-model-len", int, None),
+    ("--max-num-seqs", int, None),
+    ("--max-num-batched-tokens", int, None),
+    ("--gpu-memory-utilization", float, None),
+    ("--tensor-parallel-size", int, None),
+    ("--block-size", int, None),
+    ("--seed", int, None),
+    ("--generation-config", str, None),
+    ("--tokenizer", str, None),
+)
 
 
 def int_in(low: int, high: int | None = None):
     "An argparse type: an int in [low, high] (a port, a limit), so that a bad one fails here, not after the model loads."
-    def integer(text: str) -> int:   # (argparse names it in "invalid integer value")
+
+    def integer(text: str) -> int:  # (argparse names it in "invalid integer value")
         value = int(text)
         if value < low or high is not None and value > high:
             raise argparse.ArgumentTypeError(f"must be in [{low}, {'inf' if high is None else high}], got {text}")
         return value
+
     return integer
 
 
@@ -33,8 +42,11 @@ def parse_serve_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("model", help="a checkpoint folder, a GGUF file or a Hugging Face id")
     ap.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     ap.add_argument("--port", type=int_in(0, 65535), default=8000)
-    ap.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY"),
-                    help="require 'Authorization: Bearer <key>' on /v1 routes (default: $MINIVLLM_API_KEY)")
+    ap.add_argument(
+        "--api-key",
+        default=os.environ.get("MINIVLLM_API_KEY"),
+        help="require 'Authorization: Bearer <key>' on /v1 routes (default: $MINIVLLM_API_KEY)",
+    )
     ap.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
     ap.add_argument("--max-waiting-requests", type=int_in(0), default=1024, help="beyond this many waiting: 503")
     ap.add_argument("--max-request-bytes", type=int_in(1), default=1 << 20, help="larger bodies: 413")
@@ -52,36 +64,47 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     return kwargs | {"enforce_eager": args.enforce_eager, "enable_prefix_caching": not args.no_prefix_caching}
 
+
 # %% auto #0
-__all__ = ['ENGINE_FLAGS', 'int_in', 'parse_serve_args', 'engine_kwargs', 'serve']
+__all__ = ["ENGINE_FLAGS", "int_in", "parse_serve_args", "engine_kwargs", "serve"]
+
 
 # %% ../../notebooks/11_serving.ipynb #a0b9bbcf
 def serve(argv: list[str] | None = None) -> int:
     "`minivllm serve MODEL ...`: run the server until SIGINT or SIGTERM; its shutdown stops the engine."
     import uvicorn
+
     args = parse_serve_args(argv)
     try:
         llm = AsyncLLM(args.model, **engine_kwargs(args))
-    except (ValueError, TypeError) as e:   # a bad model or engine flag: one line, as argparse says its errors
+    except (ValueError, TypeError) as e:  # a bad model or engine flag: one line, as argparse says its errors
         print(f"minivllm serve: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:   # Ctrl-C while the model loads
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
         return 130
     try:
-        app = build_app(llm, args.served_model_name or args.model, args.api_key, args.max_waiting_requests,
-                        args.max_request_bytes, shutdown_engine=True)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=5)
+        app = build_app(
+            llm,
+            args.served_model_name or args.model,
+            args.api_key,
+            args.max_waiting_requests,
+            args.max_request_bytes,
+            shutdown_engine=True,
+        )
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        )
         server = uvicorn.Server(config)
         handle_exit = server.handle_exit
 
-        def stop_engine_first(sig, frame) -> None:   # requests in flight end at once (503), not cancelled 5 s later
+        def stop_engine_first(sig, frame) -> None:  # requests in flight end at once (503), not cancelled 5 s later
             handle_exit(sig, frame)
             llm.shutdown()
+
         server.handle_exit = stop_engine_first
-        server.run()   # (uvicorn raises the signal it caught again once it has shut down)
+        server.run()  # (uvicorn raises the signal it caught again once it has shut down)
     except KeyboardInterrupt:
         pass
     finally:
-        llm.shutdown()   # (a no-op when the server's shutdown did it)
+        llm.shutdown()  # (a no-op when the server's shutdown did it)
     return 0

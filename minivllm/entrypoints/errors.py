@@ -24,19 +24,32 @@ def error_response(status: int, message: str, kind: str, headers: dict | None = 
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-ERROR_KINDS = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-               413: "RequestTooLarge", 503: "ServiceUnavailableError"}
+ERROR_KINDS = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    413: "RequestTooLarge",
+    503: "ServiceUnavailableError",
+}
 
 
 def add_error_handlers(app: FastAPI) -> None:
     "Every error as OpenAI's JSON with its status."
+
     def handle(status: int):
         return lambda request, e: error_response(status, str(e), ERROR_KINDS[status])
+
     app.add_exception_handler(APIError, lambda request, e: error_response(e.status, e.message, e.kind, e.headers))
-    app.add_exception_handler(RequestValidationError, lambda request, e: error_response(
-        400, validation_message(e), ERROR_KINDS[400]))
-    app.add_exception_handler(HTTPException, lambda request, e: error_response(
-        e.status_code, str(e.detail), ERROR_KINDS.get(e.status_code, "Error"), getattr(e, "headers", None)))
+    app.add_exception_handler(
+        RequestValidationError, lambda request, e: error_response(400, validation_message(e), ERROR_KINDS[400])
+    )
+    app.add_exception_handler(
+        HTTPException,
+        lambda request, e: error_response(
+            e.status_code, str(e.detail), ERROR_KINDS.get(e.status_code, "Error"), getattr(e, "headers", None)
+        ),
+    )
     app.add_exception_handler(ValueError, handle(400))
     app.add_exception_handler(TypeError, handle(400))
     app.add_exception_handler(EngineDeadError, handle(503))
@@ -53,5 +66,6 @@ def validation_message(e: RequestValidationError) -> str:
         parts.append(f"{where}: {err['msg']}")
     return "; ".join(parts)
 
+
 # %% auto #0
-__all__ = ['ERROR_KINDS', 'APIError', 'error_response', 'add_error_handlers', 'validation_message']
+__all__ = ["ERROR_KINDS", "APIError", "error_response", "add_error_handlers", "validation_message"]

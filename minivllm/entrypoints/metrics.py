@@ -8,9 +8,27 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from ..outputs import RequestOutput
 from .async_llm import AsyncLLM
 
-
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
-                   20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
@@ -18,8 +36,10 @@ class Twin:
     "A metric under vLLM's name (`vllm:`, labelled with the model's name) and its old `minivllm:` alias, in step."
 
     def __init__(self, kind, name: str, doc: str, model_name: str, registry: CollectorRegistry, **kwargs):
-        self.both = (kind("vllm:" + name, doc, ["model_name"], registry=registry, **kwargs).labels(model_name),
-                     kind("minivllm:" + name, f"{doc} (deprecated alias of vllm:{name})", registry=registry, **kwargs))
+        self.both = (
+            kind("vllm:" + name, doc, ["model_name"], registry=registry, **kwargs).labels(model_name),
+            kind("minivllm:" + name, f"{doc} (deprecated alias of vllm:{name})", registry=registry, **kwargs),
+        )
 
     def set(self, value: float) -> None:
         for metric in self.both:
@@ -35,7 +55,8 @@ class Twin:
 
 
 # %% auto #0
-__all__ = ['LATENCY_BUCKETS', 'TOKEN_BUCKETS', 'Twin', 'EngineMetrics']
+__all__ = ["LATENCY_BUCKETS", "TOKEN_BUCKETS", "Twin", "EngineMetrics"]
+
 
 # %% ../../notebooks/11_serving.ipynb #aa086d6b
 class EngineMetrics:
@@ -43,7 +64,7 @@ class EngineMetrics:
     first eight also under `minivllm:`, their old names, for one release), updated by its engine thread."""
 
     def __init__(self, llm: AsyncLLM, registry: CollectorRegistry, model_name: str = ""):
-        self.llm, self.seen = llm, {}   # request id -> (time of its last token, tokens so far)
+        self.llm, self.seen = llm, {}  # request id -> (time of its last token, tokens so far)
         both = lambda kind, name, doc, **kw: Twin(kind, name, doc, model_name, registry, **kw)  # noqa: E731
         self.running = both(Gauge, "num_requests_running", "Requests in the running batch.")
         self.waiting = both(Gauge, "num_requests_waiting", "Requests waiting to run.")
@@ -51,24 +72,32 @@ class EngineMetrics:
         self.prompt_tokens = both(Counter, "prompt_tokens", "Prompt tokens computed.")
         self.generation_tokens = both(Counter, "generation_tokens", "Tokens generated.")
         self.ttft = both(Histogram, "time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS)
-        self.itl = both(Histogram, "inter_token_latency_seconds", "Time between output tokens.",
-                        buckets=LATENCY_BUCKETS)
+        self.itl = both(
+            Histogram, "inter_token_latency_seconds", "Time between output tokens.", buckets=LATENCY_BUCKETS
+        )
         self.e2e = both(Histogram, "e2e_request_latency_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS)
 
-        def vllm(kind, name, doc, labels=(), **kw):   # vLLM's name only
+        def vllm(kind, name, doc, labels=(), **kw):  # vLLM's name only
             metric = kind("vllm:" + name, doc, ["model_name", *labels], registry=registry, **kw)
             return metric if labels else metric.labels(model_name)
+
         self.model_name = model_name
         self.success = vllm(Counter, "request_success", "Requests finished, by finish reason.", ["finished_reason"])
         self.preemptions = vllm(Counter, "num_preemptions", "Sequences preempted (to be recomputed).")
         self.cache_queries = vllm(Counter, "prefix_cache_queries", "Prompt tokens of finished requests.")
         self.cache_hits = vllm(Counter, "prefix_cache_hits", "Of them, tokens found in the prefix cache.")
-        self.request_tokens = {kind: vllm(Histogram, f"request_{kind}_tokens", f"Tokens per request ({kind}).",
-                                          buckets=TOKEN_BUCKETS) for kind in ("prompt", "generation")}
-        self.phases = {phase: vllm(Histogram, f"request_{phase}_time_seconds", f"Seconds of a request's {phase}.",
-                                   buckets=LATENCY_BUCKETS) for phase in ("queue", "prefill", "decode", "inference")}
+        self.request_tokens = {
+            kind: vllm(Histogram, f"request_{kind}_tokens", f"Tokens per request ({kind}).", buckets=TOKEN_BUCKETS)
+            for kind in ("prompt", "generation")
+        }
+        self.phases = {
+            phase: vllm(
+                Histogram, f"request_{phase}_time_seconds", f"Seconds of a request's {phase}.", buckets=LATENCY_BUCKETS
+            )
+            for phase in ("queue", "prefill", "decode", "inference")
+        }
         stats = llm.engine.stats
-        self.counted = (stats.num_prompt_tokens, stats.num_generated_tokens, stats.num_preemptions)   # from now on
+        self.counted = (stats.num_prompt_tokens, stats.num_generated_tokens, stats.num_preemptions)  # from now on
         llm.step_hooks.append(self.record)
 
     def record(self, outputs: list[RequestOutput], now: float) -> None:
@@ -79,15 +108,16 @@ class EngineMetrics:
         self.kv_usage.set(engine.scheduler.block_manager.usage)
         stats = engine.stats
         counts = (stats.num_prompt_tokens, stats.num_generated_tokens, stats.num_preemptions)
-        for metric, new, old in zip((self.prompt_tokens, self.generation_tokens, self.preemptions), counts,
-                                    self.counted):
+        for metric, new, old in zip(
+            (self.prompt_tokens, self.generation_tokens, self.preemptions), counts, self.counted
+        ):
             metric.inc(new - old)
         self.counted = counts
         for out in outputs:
             self._latencies(out)
             if out.finished:
                 self._finished(out)
-        if len(self.seen) > 2 * len(self.llm.streams) + 64:   # forget aborted requests
+        if len(self.seen) > 2 * len(self.llm.streams) + 64:  # forget aborted requests
             self.seen = {k: v for k, v in self.seen.items() if k in self.llm.streams}
 
     # %% ../../notebooks/11_serving.ipynb #d3a49e02
@@ -121,6 +151,10 @@ class EngineMetrics:
         self.request_tokens["generation"].observe(m.num_generated_tokens)
         scheduled = m.first_scheduled_time or m.arrival_time
         end = m.finished_time or m.last_token_time
-        for phase, start, stop in (("queue", m.arrival_time, scheduled), ("prefill", scheduled, m.first_token_time),
-                                   ("decode", m.first_token_time, end), ("inference", scheduled, end)):
+        for phase, start, stop in (
+            ("queue", m.arrival_time, scheduled),
+            ("prefill", scheduled, m.first_token_time),
+            ("decode", m.first_token_time, end),
+            ("inference", scheduled, end),
+        ):
             self.phases[phase].observe(max(0.0, stop - start))

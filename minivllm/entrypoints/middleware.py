@@ -20,8 +20,9 @@ class APIKeyCheck:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
-                response = error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                          ERROR_KINDS[401])
+                response = error_response(
+                    401, "invalid or missing API key: send 'Authorization: Bearer <key>'", ERROR_KINDS[401]
+                )
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -41,14 +42,16 @@ class BodyLimit:
             return await error_response(413, message, ERROR_KINDS[413])(scope, receive, send)
         seen = 0
 
-        async def counted():   # a body without Content-Length (chunked) is counted as it arrives
+        async def counted():  # a body without Content-Length (chunked) is counted as it arrives
             nonlocal seen
             received = await receive()
             seen += len(received.get("body", b""))
             if seen > self.max_bytes:
-                raise HTTPException(413, message)   # (FastAPI passes it on to the error handler)
+                raise HTTPException(413, message)  # (FastAPI passes it on to the error handler)
             return received
+
         await self.app(scope, counted, send)
 
+
 # %% auto #0
-__all__ = ['APIKeyCheck', 'BodyLimit']
+__all__ = ["APIKeyCheck", "BodyLimit"]

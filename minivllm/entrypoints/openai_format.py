@@ -15,8 +15,13 @@ from .async_llm import EngineDeadError, RequestOutputStream
 
 
 def completion_choice(index: int, c: CompletionOutput, offset: int = 0, decode=None) -> dict:
-    return {"index": index, "text": c.text, "logprobs": completion_logprobs(c, offset, decode),
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    return {
+        "index": index,
+        "text": c.text,
+        "logprobs": completion_logprobs(c, offset, decode),
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
 
 
 def completion_logprobs(c: CompletionOutput, offset: int = 0, decode=None) -> dict | None:
@@ -40,16 +45,18 @@ def completion_logprobs(c: CompletionOutput, offset: int = 0, decode=None) -> di
 
 
 def finite(logprob: float) -> float:
-    return max(logprob, -9999.0)   # (-inf is not JSON; vLLM sends -9999.0)
+    return max(logprob, -9999.0)  # (-inf is not JSON; vLLM sends -9999.0)
 
 
 def chat_logprobs(c: CompletionOutput, top: int | None) -> dict | None:
     "OpenAI's chat format: per token its text, logprob, bytes and the `top` most likely alternatives."
     if c.logprobs is None:
         return None
+
     def item(lp):
         text = lp.decoded_token or ""
         return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
     content = []
     for token_id, entry in zip(c.token_ids, c.logprobs):
         best = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= top), key=lambda lp: lp.rank)
@@ -58,20 +65,34 @@ def chat_logprobs(c: CompletionOutput, top: int | None) -> dict | None:
 
 
 def usage(outputs: list[RequestOutput]) -> dict:
-    return token_counts(sum(len(o.prompt_token_ids) for o in outputs),
-                        sum(len(c.token_ids) for o in outputs for c in o.outputs))
+    return token_counts(
+        sum(len(o.prompt_token_ids) for o in outputs), sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    )
 
 
 def token_counts(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+
 # %% auto #0
-__all__ = ['completion_choice', 'completion_logprobs', 'finite', 'chat_logprobs', 'usage', 'token_counts', 'echo_choice',
-           'prompt_logprobs_json', 'sse', 'merge_streams', 'completion_chunks', 'chat_chunks']
+__all__ = [
+    "completion_choice",
+    "completion_logprobs",
+    "finite",
+    "chat_logprobs",
+    "usage",
+    "token_counts",
+    "echo_choice",
+    "prompt_logprobs_json",
+    "sse",
+    "merge_streams",
+    "completion_chunks",
+    "chat_chunks",
+]
+
 
 # %% ../../notebooks/11_serving.ipynb #e1c40a03
-def echo_choice(index: int, c: CompletionOutput, out: RequestOutput, decode, generated: bool, logprobs: bool
-                ) -> dict:
+def echo_choice(index: int, c: CompletionOutput, out: RequestOutput, decode, generated: bool, logprobs: bool) -> dict:
     """A completion choice with the prompt before it (`echo`, vLLM's shape): text = prompt + completion, logprobs
     from the prompt's first token on. Nothing `generated` (max_tokens 0): the prompt alone, scored."""
     prompt = out.prompt if out.prompt is not None else decode(out.prompt_token_ids)
@@ -86,14 +107,21 @@ def prompt_logprobs_json(entries: list | None) -> list | None:
     "vLLM's `prompt_logprobs`: per prompt token null (the first) or {token id: {logprob, rank, decoded_token}}."
     if entries is None:
         return None
-    return [None if e is None else {str(t): {"logprob": finite(lp.logprob), "rank": lp.rank,
-                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
-            for e in entries]
+    return [
+        None
+        if e is None
+        else {
+            str(t): {"logprob": finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in e.items()
+        }
+        for e in entries
+    ]
 
 
 # %% ../../notebooks/11_serving.ipynb #31c33d52
 def sse(events: AsyncIterator[dict]) -> StreamingResponse:
     "Server-sent events: `data: <json>` per event, an error as an event, `data: [DONE]` at the end."
+
     async def lines():
         try:
             async for event in events:
@@ -101,6 +129,7 @@ def sse(events: AsyncIterator[dict]) -> StreamingResponse:
         except (ValueError, TypeError, EngineDeadError) as e:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': type(e).__name__}})}\n\n"
         yield "data: [DONE]\n\n"
+
     return StreamingResponse(lines(), media_type="text/event-stream")
 
 
@@ -115,6 +144,7 @@ async def merge_streams(streams: list[RequestOutputStream]) -> AsyncIterator[tup
             queue.put_nowait((i, None))
         except Exception as e:
             queue.put_nowait((i, e))
+
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         ended = 0
@@ -132,12 +162,14 @@ async def merge_streams(streams: list[RequestOutputStream]) -> AsyncIterator[tup
         for stream in streams:
             stream.close()
 
+
 # %% ../../notebooks/11_serving.ipynb #efddd918
-async def completion_chunks(streams: list[RequestOutputStream], head: dict, n: int, include_usage: bool,
-                            continuous: bool = False, echo=None) -> AsyncIterator[dict]:
+async def completion_chunks(
+    streams: list[RequestOutputStream], head: dict, n: int, include_usage: bool, continuous: bool = False, echo=None
+) -> AsyncIterator[dict]:
     """Chunks of completions; with `continuous` (vLLM's continuous_usage_stats), each chunk has its choice's usage;
     with `echo` (a function of index, output, request output), each choice's first chunk is its echo_choice."""
-    sent, prompts, tokens = {}, {}, {}   # per choice: characters sent (for text_offset), tokens; prompt lengths
+    sent, prompts, tokens = {}, {}, {}  # per choice: characters sent (for text_offset), tokens; prompt lengths
     async for i, out in merge_streams(streams):
         prompts[i] = len(out.prompt_token_ids) or prompts.get(i, 0)
         for c in out.outputs:
@@ -151,12 +183,17 @@ async def completion_chunks(streams: list[RequestOutputStream], head: dict, n: i
             yield chunk
             sent[index] = sent.get(index, 0) + len(choice["text"])
     if include_usage:
-        yield {**head, "object": "text_completion", "choices": [],
-               "usage": token_counts(sum(prompts.values()), sum(tokens.values()))}
+        yield {
+            **head,
+            "object": "text_completion",
+            "choices": [],
+            "usage": token_counts(sum(prompts.values()), sum(tokens.values())),
+        }
 
 
-async def chat_chunks(streams: list[RequestOutputStream], head: dict, top: int | None, include_usage: bool,
-                      continuous: bool = False) -> AsyncIterator[dict]:
+async def chat_chunks(
+    streams: list[RequestOutputStream], head: dict, top: int | None, include_usage: bool, continuous: bool = False
+) -> AsyncIterator[dict]:
     started, prompt, tokens = set(), 0, {}
     async for _, out in merge_streams(streams):
         prompt = len(out.prompt_token_ids) or prompt
@@ -164,13 +201,21 @@ async def chat_chunks(streams: list[RequestOutputStream], head: dict, top: int |
             delta = {"content": c.text} if c.index in started else {"role": "assistant", "content": c.text}
             started.add(c.index)
             tokens[c.index] = tokens.get(c.index, 0) + len(c.token_ids)
-            choice = {"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, top),
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            choice = {
+                "index": c.index,
+                "delta": delta,
+                "logprobs": chat_logprobs(c, top),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
             chunk = {**head, "object": "chat.completion.chunk", "choices": [choice]}
             if continuous:
                 chunk["usage"] = token_counts(prompt, tokens[c.index])
             yield chunk
     if include_usage:
-        yield {**head, "object": "chat.completion.chunk", "choices": [],
-               "usage": token_counts(prompt, sum(tokens.values()))}
-
+        yield {
+            **head,
+            "object": "chat.completion.chunk",
+            "choices": [],
+            "usage": token_counts(prompt, sum(tokens.values())),
+        }

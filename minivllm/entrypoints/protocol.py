@@ -10,7 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling_params import RequestOutputKind, SamplingParams
 
-
 DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 logger = logging.getLogger("minivllm.serve")
 
@@ -18,12 +17,13 @@ logger = logging.getLogger("minivllm.serve")
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
-    continuous_usage_stats: bool = False   # (vLLM's extra) usage on every chunk too, with include_usage
+    continuous_usage_stats: bool = False  # (vLLM's extra) usage on every chunk too, with include_usage
 
 
 class SamplingFields(BaseModel):
     """The fields both endpoints share: OpenAI's, then vLLM's extras. None: the model's default (generation_config).
     An unknown field is kept aside (`model_extra`) and ignored with a warning, as vLLM does; see `ignored_fields`."""
+
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     n: int = 1
@@ -37,7 +37,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    top_k: int | None = None                    # vLLM's extras
+    top_k: int | None = None  # vLLM's extras
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
@@ -48,18 +48,30 @@ class SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
 
-    def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(
+        self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         "The request as SamplingParams (an invalid value raises ValueError or TypeError naming the field)."
         given = {k: getattr(self, k) for k in DEFAULTED if getattr(self, k) is not None}
         bias = None if self.logit_bias is None else {_token_id(k): _bias(v) for k, v in self.logit_bias.items()}
         return SamplingParams(
-            **({k: getattr(defaults, k) for k in DEFAULTED} | given), n=self.n, seed=self.seed, stop=self.stop,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-            stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            logit_bias=bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+            **({k: getattr(defaults, k) for k in DEFAULTED} | given),
+            n=self.n,
+            seed=self.seed,
+            stop=self.stop,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -72,23 +84,37 @@ class SamplingFields(BaseModel):
 
 
 # %% auto #0
-__all__ = ['DEFAULTED', 'logger', 'REFUSED', 'StreamOptions', 'SamplingFields', 'CompletionRequest', 'ChatMessage',
-           'ChatCompletionRequest', 'ignored_fields', 'content_text', 'TokenizeRequest', 'DetokenizeRequest']
+__all__ = [
+    "DEFAULTED",
+    "logger",
+    "REFUSED",
+    "StreamOptions",
+    "SamplingFields",
+    "CompletionRequest",
+    "ChatMessage",
+    "ChatCompletionRequest",
+    "ignored_fields",
+    "content_text",
+    "TokenizeRequest",
+    "DetokenizeRequest",
+]
+
 
 # %% ../../notebooks/11_serving.ipynb #558fb527
 class CompletionRequest(SamplingFields):
     "POST /v1/completions."
+
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)   # 0: only with echo (the prompt scored, nothing generated)
-    logprobs: int | None = Field(None, ge=0, le=20)   # (vLLM's limit; OpenAI's is 5)
-    echo: bool = False   # the prompt before the completion, with its logprobs when `logprobs` is set
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)   # (vLLM's extra) per prompt token, the top ones
+    max_tokens: int | None = Field(16, ge=0)  # 0: only with echo (the prompt scored, nothing generated)
+    logprobs: int | None = Field(None, ge=0, le=20)  # (vLLM's limit; OpenAI's is 5)
+    echo: bool = False  # the prompt before the completion, with its logprobs when `logprobs` is set
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # (vLLM's extra) per prompt token, the top ones
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None   # a string, or a list of parts ({"type": "text", "text": ...})
+    content: str | list[dict] | None = None  # a string, or a list of parts ({"type": "text", "text": ...})
     name: str | None = None
 
     def as_dict(self, where: str) -> dict:
@@ -99,8 +125,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     "POST /v1/chat/completions."
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)   # deprecated by OpenAI in favour of max_completion_tokens
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -109,11 +136,26 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # %% ../../notebooks/11_serving.ipynb #c0a49e01
-REFUSED = {   # fields that would change the output and are not supported yet, with the values that change nothing
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",), "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "logits_processors": (), "suffix": ("",), "best_of": (1,), "use_beam_search": (False,),
-    "prompt_embeds": (), "truncate_prompt_tokens": (), "logprob_token_ids": (), "continue_final_message": (False,)}
+REFUSED = {  # fields that would change the output and are not supported yet, with the values that change nothing
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "logits_processors": (),
+    "suffix": ("",),
+    "best_of": (1,),
+    "use_beam_search": (False,),
+    "prompt_embeds": (),
+    "truncate_prompt_tokens": (),
+    "logprob_token_ids": (),
+    "continue_final_message": (False,),
+}
 
 
 def ignored_fields(body: BaseModel, where: str = "") -> list[str]:
@@ -128,8 +170,12 @@ def ignored_fields(body: BaseModel, where: str = "") -> list[str]:
         if isinstance(value, BaseModel):
             found += ignored_fields(value, f"{where}{name}.")
         elif isinstance(value, list):
-            found += [f for i, v in enumerate(value) if isinstance(v, BaseModel)
-                      for f in ignored_fields(v, f"{where}{name}.{i}.")]
+            found += [
+                f
+                for i, v in enumerate(value)
+                if isinstance(v, BaseModel)
+                for f in ignored_fields(v, f"{where}{name}.{i}.")
+            ]
     return found
 
 
@@ -140,8 +186,10 @@ def content_text(content: str | list[dict] | None, where: str) -> str | None:
     texts = []
     for i, part in enumerate(content):
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ValueError(f"{where}.content.{i}: a part of type {part.get('type')!r} is not supported "
-                             f"(this server reads text parts only: {{'type': 'text', 'text': ...}})")
+            raise ValueError(
+                f"{where}.content.{i}: a part of type {part.get('type')!r} is not supported "
+                f"(this server reads text parts only: {{'type': 'text', 'text': ...}})"
+            )
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -154,18 +202,19 @@ def _token_id(key: str) -> int:
 
 
 def _bias(value: float) -> float:
-    if not -100 <= value <= 100:   # OpenAI's range (SamplingParams itself takes any bias, -inf included)
+    if not -100 <= value <= 100:  # OpenAI's range (SamplingParams itself takes any bias, -inf included)
         raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
     return value
 
 
 class TokenizeRequest(BaseModel):
     "POST /tokenize (vLLM's): a prompt, or chat messages rendered by the chat template, to token ids."
+
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None   # (vLLM's defaults: True for a prompt, False for messages)
+    add_special_tokens: bool | None = None  # (vLLM's defaults: True for a prompt, False for messages)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
     return_token_strs: bool = False
@@ -173,7 +222,7 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     "POST /detokenize (vLLM's): token ids to text."
+
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     tokens: list[int]
-

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from .common import check_device
 
-SILU_BLOCK_D = 1024   # output columns per program
+SILU_BLOCK_D = 1024  # output columns per program
 
 
 @triton.jit
@@ -32,8 +32,10 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows.shape[0], d, dtype=x.dtype, device=x.device)
     if out.numel():
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(d, SILU_BLOCK_D))](
-            out, rows, d, rows.stride(0), out.stride(0), BLOCK_D=SILU_BLOCK_D, num_warps=4)
+            out, rows, d, rows.stride(0), out.stride(0), BLOCK_D=SILU_BLOCK_D, num_warps=4
+        )
     return out.view(*x.shape[:-1], d)
 
+
 # %% auto #0
-__all__ = ['SILU_BLOCK_D', 'silu_mul']
+__all__ = ["SILU_BLOCK_D", "silu_mul"]

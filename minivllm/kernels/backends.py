@@ -14,20 +14,22 @@ import torch
 # Triton reads TRITON_INTERPRET once, when a kernel is defined (at import): so do we.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 BACKENDS = ("torch", "triton", "flash_attn")
-PHASES = ("decode", "prefill")   # decode-only steps; every other step (prefill chunks, mixed steps)
+PHASES = ("decode", "prefill")  # decode-only steps; every other step (prefill chunks, mixed steps)
 BACKEND_ENV = "MINIVLLM_ATTENTION_BACKEND"
-FLASH_ATTN_PAGE_MULTIPLE = 256   # flash-attn 2's paged KV needs block_size % 256 == 0 (flash-attn-4: any size)
+FLASH_ATTN_PAGE_MULTIPLE = 256  # flash-attn 2's paged KV needs block_size % 256 == 0 (flash-attn-4: any size)
 FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_ATTN_INSTALL = "pip install flash-attn-4 on Hopper or Blackwell GPUs; flash-attn 2 builds from source"
 
 
-@functools.cache   # what is installed does not change while the process runs
+@functools.cache  # what is installed does not change while the process runs
 def flash_attn_version() -> int | None:
     "4 for flash-attn-4 (`flash_attn.cute`), 2 for flash-attn 2, None when neither imports."
     if importlib.util.find_spec("flash_attn") is None:
         return None
-    for version, module, name in ((4, "flash_attn.cute", "flash_attn_varlen_func"),
-                                  (2, "flash_attn", "flash_attn_with_kvcache")):
+    for version, module, name in (
+        (4, "flash_attn.cute", "flash_attn_varlen_func"),
+        (2, "flash_attn", "flash_attn_with_kvcache"),
+    ):
         try:
             if hasattr(importlib.import_module(module), name):
                 return version
@@ -39,9 +41,23 @@ def flash_attn_version() -> int | None:
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
+
 # %% auto #0
-__all__ = ['INTERPRET', 'BACKENDS', 'PHASES', 'BACKEND_ENV', 'FLASH_ATTN_PAGE_MULTIPLE', 'FLASH_ATTN_DTYPES',
-           'FLASH_ATTN_INSTALL', 'MEASURED_US', 'flash_attn_version', 'cuda_capability', 'faster', 'select_backend']
+__all__ = [
+    "INTERPRET",
+    "BACKENDS",
+    "PHASES",
+    "BACKEND_ENV",
+    "FLASH_ATTN_PAGE_MULTIPLE",
+    "FLASH_ATTN_DTYPES",
+    "FLASH_ATTN_INSTALL",
+    "MEASURED_US",
+    "flash_attn_version",
+    "cuda_capability",
+    "faster",
+    "select_backend",
+]
+
 
 # %% ../../notebooks/05_paged_attention.ipynb #f8e4897a
 def _flash_attn_reason(device: torch.device, block_size: int | None, dtype: torch.dtype | None) -> str | None:
@@ -56,13 +72,16 @@ def _flash_attn_reason(device: torch.device, block_size: int | None, dtype: torc
     if version == 4 and major < 9:
         return f"flash-attn-4 needs a Hopper or Blackwell GPU (compute capability 9.0+), got {major}.{minor}"
     if version == 2 and block_size is not None and block_size % FLASH_ATTN_PAGE_MULTIPLE:
-        return (f"flash-attn 2's paged KV needs block_size % {FLASH_ATTN_PAGE_MULTIPLE} == 0, got {block_size} "
-                f"(flash-attn-4 takes any block size)")
+        return (
+            f"flash-attn 2's paged KV needs block_size % {FLASH_ATTN_PAGE_MULTIPLE} == 0, got {block_size} "
+            f"(flash-attn-4 takes any block size)"
+        )
     return None
 
 
-def _unavailable_reason(backend: str, device: torch.device, block_size: int | None,
-                        dtype: torch.dtype | None = None) -> str | None:
+def _unavailable_reason(
+    backend: str, device: torch.device, block_size: int | None, dtype: torch.dtype | None = None
+) -> str | None:
     if backend == "triton" and importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     if backend == "triton" and device.type != "cuda" and not INTERPRET:
@@ -71,17 +90,28 @@ def _unavailable_reason(backend: str, device: torch.device, block_size: int | No
         return _flash_attn_reason(device, block_size, dtype)
     return None
 
+
 # %% ../../notebooks/05_paged_attention.ipynb #8a4ad7ba
 # Notebook 06's side by side on one H200 (flash-attn-4 4.0.0b36, Triton 3.6): microseconds per call, bfloat16,
 # 16 query / 8 KV heads of 128, blocks of 16, each sequence's blocks scattered over the cache.
 MEASURED_US = {
-    "decode": {   # (batch, context): (triton, flash_attn)
-        (1, 1024): (67.1, 66.9), (1, 8192): (64.0, 117.9), (8, 4096): (62.2, 71.9), (32, 1024): (64.4, 120.4),
-        (32, 4096): (154.2, 154.7), (64, 1024): (92.6, 96.8), (256, 1024): (265.4, 380.6),
-        (256, 4096): (998.9, 1180.3)},
+    "decode": {  # (batch, context): (triton, flash_attn)
+        (1, 1024): (67.1, 66.9),
+        (1, 8192): (64.0, 117.9),
+        (8, 4096): (62.2, 71.9),
+        (32, 1024): (64.4, 120.4),
+        (32, 4096): (154.2, 154.7),
+        (64, 1024): (92.6, 96.8),
+        (256, 1024): (265.4, 380.6),
+        (256, 4096): (998.9, 1180.3),
+    },
     "prefill": {  # (batch, new tokens each, context): (triton, flash_attn)
-        (1, 2048, 2048): (125.4, 71.1), (1, 16384, 16384): (4210.6, 1894.8), (4, 2048, 4096): (873.7, 375.2),
-        (8, 512, 2048): (279.8, 124.9), (1, 1024, 8192): (298.8, 117.2)},
+        (1, 2048, 2048): (125.4, 71.1),
+        (1, 16384, 16384): (4210.6, 1894.8),
+        (4, 2048, 4096): (873.7, 375.2),
+        (8, 512, 2048): (279.8, 124.9),
+        (1, 1024, 8192): (298.8, 117.2),
+    },
 }
 
 
@@ -90,9 +120,15 @@ def faster(phase: str) -> str:
     log_ratio = sum(math.log(flash / triton) for triton, flash in MEASURED_US[phase].values())
     return "flash_attn" if log_ratio < 0 else "triton"
 
+
 # %% ../../notebooks/05_paged_attention.ipynb #a84e5c83
-def select_backend(device: torch.device | str, block_size: int | None = None, requested: str | None = None,
-                   dtype: torch.dtype | None = None, phase: str = "decode") -> str:
+def select_backend(
+    device: torch.device | str,
+    block_size: int | None = None,
+    requested: str | None = None,
+    dtype: torch.dtype | None = None,
+    phase: str = "decode",
+) -> str:
     "The attention backend of `phase` on `device`: `requested`, else MINIVLLM_ATTENTION_BACKEND, else the faster."
     device, requested = torch.device(device), requested or os.environ.get(BACKEND_ENV) or "auto"
     if requested not in BACKENDS + ("auto",):
@@ -102,8 +138,10 @@ def select_backend(device: torch.device | str, block_size: int | None = None, re
     if requested != "auto":
         reason = _unavailable_reason(requested, device, block_size, dtype)
         if reason:
-            raise ValueError(f"attention backend {requested!r} is not available here: {reason} (choices: "
-                             f"{', '.join(BACKENDS)} or auto, by {BACKEND_ENV} or attention_backend=...)")
+            raise ValueError(
+                f"attention backend {requested!r} is not available here: {reason} (choices: "
+                f"{', '.join(BACKENDS)} or auto, by {BACKEND_ENV} or attention_backend=...)"
+            )
         return requested
     if device.type != "cuda":
         return "torch"

@@ -24,10 +24,22 @@ def bench_copy(nbytes: int = 4 << 30, device: str = "cuda") -> dict:
     return dict(ms=ms, bytes=2 * src.numel() * 4, gbps=2 * src.numel() * 4 / ms / 1e6)
 
 
-def bench_decode(batch: int = 256, context: int = 1024, num_heads: int = 16, num_kv_heads: int = 8,
-                 head_dim: int = 128, block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
-                 device: str = "cuda", seed: int = 0, shared_prefix: int = 0, cascade: bool = False,
-                 cache_dtype: torch.dtype | None = None, cuda_graph: bool = False, **kernel_options) -> dict:
+def bench_decode(
+    batch: int = 256,
+    context: int = 1024,
+    num_heads: int = 16,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cuda",
+    seed: int = 0,
+    shared_prefix: int = 0,
+    cascade: bool = False,
+    cache_dtype: torch.dtype | None = None,
+    cuda_graph: bool = False,
+    **kernel_options,
+) -> dict:
     """Time the paged decode kernel on a cache of random, scattered blocks; its achieved bandwidth in GB/s. With
     `shared_prefix`, every sequence's first `shared_prefix` tokens sit in the same blocks; `cascade` reads them once.
     (The bandwidth always counts every sequence's whole context, as plain decode reads it.) `cuda_graph` times replays
@@ -39,49 +51,75 @@ def bench_decode(batch: int = 256, context: int = 1024, num_heads: int = 16, num
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     v_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-    if cache_dtype is not None:   # e.g. torch.float8_e4m3fn: the same values, rounded to 8 bits
+    if cache_dtype is not None:  # e.g. torch.float8_e4m3fn: the same values, rounded to 8 bits
         k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))   # blocks scattered in memory
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))  # blocks scattered in memory
     block_tables = torch.cat([perm[:shared].expand(batch, shared), perm[shared:].view(batch, -1)], 1)
     block_tables = block_tables.to(device, torch.int32)
     context_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, num_heads, head_dim, generator=gen, device=device, dtype=dtype)
     out = torch.empty_like(q)
     prefix = torch.tensor([shared * block_size], dtype=torch.int32, device=device) if cascade else None
-    run = lambda: paged_decode_attention(q, k_cache, v_cache, context_lens, block_tables, head_dim ** -0.5,  # noqa
-                                         out=out, shared_prefix_len=prefix, **kernel_options)
+    run = lambda: paged_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        context_lens,
+        block_tables,
+        head_dim**-0.5,  # noqa
+        out=out,
+        shared_prefix_len=prefix,
+        **kernel_options,
+    )
     run()
     if cuda_graph:
         ms = triton.testing.do_bench_cudagraph(run, rep=200, return_mode="median")
     else:
         ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
     elem, cache_elem = q.element_size(), k_cache.element_size()
-    nbytes = 2 * batch * context * num_kv_heads * head_dim * cache_elem + 2 * q.numel() * elem + block_tables.numel() * 4
+    nbytes = (
+        2 * batch * context * num_kv_heads * head_dim * cache_elem + 2 * q.numel() * elem + block_tables.numel() * 4
+    )
     return dict(ms=ms, bytes=nbytes, gbps=nbytes / ms / 1e6)
 
+
 # %% auto #0
-__all__ = ['bench_copy', 'bench_decode', 'paged_case', 'triton_paged_call', 'bench_attention', 'flashinfer_paged_call']
+__all__ = ["bench_copy", "bench_decode", "paged_case", "triton_paged_call", "bench_attention", "flashinfer_paged_call"]
 
 # %% ../../notebooks/06_attention_kernels.ipynb #0c20405b
 from .paged_prefill import paged_prefill_attention
 
 
-def paged_case(batch: int, context: int, new: int = 1, num_heads: int = 16, num_kv_heads: int = 8,
-               head_dim: int = 128, block_size: int = 16, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
-               seed: int = 0) -> dict:
+def paged_case(
+    batch: int,
+    context: int,
+    new: int = 1,
+    num_heads: int = 16,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cuda",
+    seed: int = 0,
+) -> dict:
     "A random paged cache of `batch` sequences of `context` tokens, and a step of each one's last `new` tokens."
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks = batch * triton.cdiv(context, block_size)
     shape = (blocks, block_size, num_kv_heads, head_dim)
-    perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(seed))   # blocks scattered in memory
+    perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(seed))  # blocks scattered in memory
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    return dict(q=torch.randn(batch * new, num_heads, head_dim, generator=gen, device=device, dtype=dtype),
-                k_cache=torch.randn(shape, generator=gen, device=device, dtype=dtype),
-                v_cache=torch.randn(shape, generator=gen, device=device, dtype=dtype),
-                cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=device) * new,
-                cu_seqlens_k=torch.arange(batch + 1, dtype=torch.int32, device=device) * context,
-                context_lens=lens, block_tables=perm.view(batch, -1).to(device, torch.int32),
-                max_seqlen_q=new, max_seqlen_k=context, scale=head_dim ** -0.5)
+    return dict(
+        q=torch.randn(batch * new, num_heads, head_dim, generator=gen, device=device, dtype=dtype),
+        k_cache=torch.randn(shape, generator=gen, device=device, dtype=dtype),
+        v_cache=torch.randn(shape, generator=gen, device=device, dtype=dtype),
+        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=device) * new,
+        cu_seqlens_k=torch.arange(batch + 1, dtype=torch.int32, device=device) * context,
+        context_lens=lens,
+        block_tables=perm.view(batch, -1).to(device, torch.int32),
+        max_seqlen_q=new,
+        max_seqlen_k=context,
+        scale=head_dim**-0.5,
+    )
 
 
 def triton_paged_call(case: dict):
@@ -89,8 +127,9 @@ def triton_paged_call(case: dict):
     args = case["q"], case["k_cache"], case["v_cache"]
     if case["max_seqlen_q"] == 1:
         return lambda: paged_decode_attention(*args, case["context_lens"], case["block_tables"], case["scale"])
-    return lambda: paged_prefill_attention(*args, case["cu_seqlens_q"], case["context_lens"], case["block_tables"],
-                                           case["scale"])
+    return lambda: paged_prefill_attention(
+        *args, case["cu_seqlens_q"], case["context_lens"], case["block_tables"], case["scale"]
+    )
 
 
 def bench_attention(backend: str, batch: int, context: int, new: int = 1, **case_options) -> dict:
@@ -99,15 +138,26 @@ def bench_attention(backend: str, batch: int, context: int, new: int = 1, **case
     c = paged_case(batch, context, new, **case_options)
     if backend == "flash_attn":
         from minivllm.kernels.flash_attention import flash_paged_attention
-        run = lambda: flash_paged_attention(c["q"], c["k_cache"], c["v_cache"], c["cu_seqlens_q"],  # noqa: E731
-                                            c["cu_seqlens_k"], c["context_lens"], c["block_tables"], new, context,
-                                            c["scale"])
+
+        run = lambda: flash_paged_attention(
+            c["q"],
+            c["k_cache"],
+            c["v_cache"],
+            c["cu_seqlens_q"],  # noqa: E731
+            c["cu_seqlens_k"],
+            c["context_lens"],
+            c["block_tables"],
+            new,
+            context,
+            c["scale"],
+        )
     elif backend == "triton":
         run = triton_paged_call(c)
     else:
         raise ValueError(f"bench_attention times 'triton' or 'flash_attn', got {backend!r}")
     run()
     return dict(us=triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") * 1e3)
+
 
 # %% ../../notebooks/06_attention_kernels.ipynb #403497d2
 def flashinfer_paged_call(case: dict, workspace: torch.Tensor | None = None):

@@ -9,9 +9,10 @@ import os
 import torch
 import triton
 import triton.language as tl
-try:   # a Triton with programmatic dependent launch (triton-lang/triton#6394, 2025)
+
+try:  # a Triton with programmatic dependent launch (triton-lang/triton#6394, 2025)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:   # an older Triton: kernels are launched plainly
+except ImportError:  # an older Triton: kernels are launched plainly
     gdc_launch_dependents = gdc_wait = None
 
 from .backends import INTERPRET
@@ -24,33 +25,49 @@ def next_pow2(n: int) -> int:
 def check_device(*tensors: torch.Tensor) -> None:
     "Compiled kernels need CUDA tensors; the interpreter takes CPU tensors."
     if not INTERPRET and any(t.device.type != "cuda" for t in tensors):
-        raise ValueError("Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before minivllm.kernels is "
-                         "imported, to run them on CPU tensors in Triton's interpreter)")
+        raise ValueError(
+            "Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before minivllm.kernels is "
+            "imported, to run them on CPU tensors in Triton's interpreter)"
+        )
 
 
 def dot_options(dtype: torch.dtype) -> dict:
     "How kernels call `tl.dot` on a cache of `dtype`: exact float32 products for float32, and the interpreter fix."
-    return dict(DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                DOT_FP32=INTERPRET and dtype == torch.bfloat16)
+    return dict(
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", DOT_FP32=INTERPRET and dtype == torch.bfloat16
+    )
 
 
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"k_cache and v_cache must be alike [num_blocks, block_size, kv_heads, head_dim], got "
-                         f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}")
+        raise ValueError(
+            f"k_cache and v_cache must be alike [num_blocks, block_size, kv_heads, head_dim], got "
+            f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}"
+        )
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache need a contiguous last dimension (head_dim)")
 
+
 # %% auto #0
-__all__ = ['ENABLE_PDL', 'PDL_MAX_ROWS', 'next_pow2', 'check_device', 'dot_options', 'check_kv_cache', 'use_pdl',
-           'pdl_launch_next', 'pdl_wait', 'online_softmax_update']
+__all__ = [
+    "ENABLE_PDL",
+    "PDL_MAX_ROWS",
+    "next_pow2",
+    "check_device",
+    "dot_options",
+    "check_kv_cache",
+    "use_pdl",
+    "pdl_launch_next",
+    "pdl_wait",
+    "online_softmax_update",
+]
 
 # %% ../../notebooks/06_attention_kernels.ipynb #70f3368d
-ENABLE_PDL = os.environ.get("MINIVLLM_PDL", "1") != "0"   # MINIVLLM_PDL=0 turns it off
-PDL_MAX_ROWS = 1   # early launch pays for one sequence's decode step only (measured: the section)
+ENABLE_PDL = os.environ.get("MINIVLLM_PDL", "1") != "0"  # MINIVLLM_PDL=0 turns it off
+PDL_MAX_ROWS = 1  # early launch pays for one sequence's decode step only (measured: the section)
 
 
-@functools.cache   # a fact of the hardware
+@functools.cache  # a fact of the hardware
 def _pdl_capable(index: int) -> bool:
     return gdc_wait is not None and torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
@@ -75,12 +92,13 @@ def pdl_wait(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
 
+
 # %% ../../notebooks/06_attention_kernels.ipynb #77388cde
 @triton.jit
 def online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
     "Fold a tile of scores `s` [M, N] (log2 units) and values `v` [N, D] into the running max, sum and output."
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha, p = tl.exp2(m_i - m_new), tl.exp2(s - m_new[:, None])   # old sums' rescale, tile weights
+    alpha, p = tl.exp2(m_i - m_new), tl.exp2(s - m_new[:, None])  # old sums' rescale, tile weights
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc

@@ -8,39 +8,95 @@ import torch
 from .backends import flash_attn_version
 
 
-def _first(out):   # flash-attn-4 returns (out, lse)
+def _first(out):  # flash-attn-4 returns (out, lse)
     return out[0] if isinstance(out, tuple) else out
 
 
-def flash_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          cu_seqlens_k: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                          max_seqlen_q: int, max_seqlen_k: int, scale: float) -> torch.Tensor:
+def flash_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+) -> torch.Tensor:
     "Causal attention of each sequence's query rows over its paged K/V, by the flash-attn that is installed."
     if flash_attn_version() == 4:
         from flash_attn.cute import flash_attn_varlen_func
-        return _first(flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=context_lens,
-                                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                             page_table=block_tables, softmax_scale=scale, causal=True))
+
+        return _first(
+            flash_attn_varlen_func(
+                q,
+                k_cache,
+                v_cache,
+                cu_seqlens_q=cu_seqlens_q,
+                seqused_k=context_lens,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k,
+                page_table=block_tables,
+                softmax_scale=scale,
+                causal=True,
+            )
+        )
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-    if max_seqlen_q == 1:   # a decode-only step
-        return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
-                                       block_table=block_tables, softmax_scale=scale, causal=True).squeeze(1)
-    return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=scale,
-                                  causal=True, block_table=block_tables)
+
+    if max_seqlen_q == 1:  # a decode-only step
+        return flash_attn_with_kvcache(
+            q.unsqueeze(1),
+            k_cache,
+            v_cache,
+            cache_seqlens=context_lens,
+            block_table=block_tables,
+            softmax_scale=scale,
+            causal=True,
+        ).squeeze(1)
+    return flash_attn_varlen_func(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        softmax_scale=scale,
+        causal=True,
+        block_table=block_tables,
+    )
 
 
-def flash_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                           scale: float) -> torch.Tensor:
+def flash_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+) -> torch.Tensor:
     "Causal attention over packed sequences whose K/V are given token by token (no cache)."
     if flash_attn_version() == 4:
         from flash_attn.cute import flash_attn_varlen_func
     else:
         from flash_attn import flash_attn_varlen_func
-    return _first(flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=scale,
-                                         causal=True))
+    return _first(
+        flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            softmax_scale=scale,
+            causal=True,
+        )
+    )
+
 
 # %% auto #0
-__all__ = ['flash_paged_attention', 'flash_varlen_attention']
+__all__ = ["flash_paged_attention", "flash_varlen_attention"]

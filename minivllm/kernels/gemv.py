@@ -9,7 +9,7 @@ import triton.language as tl
 
 from .common import check_device, pdl_launch_next, pdl_wait, use_pdl
 
-GEMV_BLOCK_K = 1024   # inputs per tile: a layer's whole row in one to three tiles
+GEMV_BLOCK_K = 1024  # inputs per tile: a layer's whole row in one to three tiles
 
 
 @triton.jit
@@ -24,18 +24,27 @@ def _gemv_tile(w_ptr, n, k, N, K, FUSE_SILU: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(y_ptr, x_ptr, w_ptr, N, K, FUSE_SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr = False):
+def _gemv_kernel(
+    y_ptr,
+    x_ptr,
+    w_ptr,
+    N,
+    K,
+    FUSE_SILU: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     "y[n] = x . w[n] for BLOCK_N rows; FUSE_SILU: w is [2N, K] (gate rows, then up rows), y[n] = silu(g[n]) * u[n]."
-    pdl_launch_next(PDL)   # (PDL: the section "start the next kernel early", at the end of the notebook)
+    pdl_launch_next(PDL)  # (PDL: the section "start the next kernel early", at the end of the notebook)
     n, k = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
-    w, up = _gemv_tile(w_ptr, n, k, N, K, FUSE_SILU)   # the first tile's weights: no kernel writes them
-    pdl_wait(PDL)                                      # x: the kernel ahead's output
+    w, up = _gemv_tile(w_ptr, n, k, N, K, FUSE_SILU)  # the first tile's weights: no kernel writes them
+    pdl_wait(PDL)  # x: the kernel ahead's output
     x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
     acc, acc_up = tl.sum(w * x, axis=1), tl.zeros([BLOCK_N], tl.float32)
     if FUSE_SILU:
         acc_up = tl.sum(up * x, axis=1)
-    for k0 in range(BLOCK_K, K, BLOCK_K):              # the row's other tiles
+    for k0 in range(BLOCK_K, K, BLOCK_K):  # the row's other tiles
         w, up = _gemv_tile(w_ptr, n, k0 + k, N, K, FUSE_SILU)
         x = tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)[None, :]
         acc += tl.sum(w * x, axis=1)
@@ -47,7 +56,8 @@ def _gemv_kernel(y_ptr, x_ptr, w_ptr, N, K, FUSE_SILU: tl.constexpr, BLOCK_N: tl
 
 
 # %% auto #0
-__all__ = ['GEMV_BLOCK_K', 'gemv_tiles', 'check_row', 'gemv', 'norm_gemv']
+__all__ = ["GEMV_BLOCK_K", "gemv_tiles", "check_row", "gemv", "norm_gemv"]
+
 
 # %% ../../notebooks/06_attention_kernels.ipynb #5f042118
 def gemv_tiles(n: int, k: int, pdl: bool = False) -> tuple[int, int]:
@@ -59,14 +69,17 @@ def gemv_tiles(n: int, k: int, pdl: bool = False) -> tuple[int, int]:
     return max(1, min(4 if n >= 4096 else 2, 4 * GEMV_BLOCK_K // block_k)), block_k
 
 
-def check_row(x: torch.Tensor, weight: torch.Tensor, fuse_silu: bool, name: str = "gemv"
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def check_row(
+    x: torch.Tensor, weight: torch.Tensor, fuse_silu: bool, name: str = "gemv"
+) -> tuple[torch.Tensor, torch.Tensor]:
     fits = x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and weight.shape[1] == x.shape[1]
     if not fits or x.dtype != weight.dtype or (fuse_silu and weight.shape[0] % 2):
-        raise ValueError(f"{name} takes one row x [1, K] and a weight [N, K] of its dtype (N even with fuse_silu), "
-                         f"got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+        raise ValueError(
+            f"{name} takes one row x [1, K] and a weight [N, K] of its dtype (N even with fuse_silu), "
+            f"got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
+        )
     check_device(x, weight)
-    return x.contiguous(), weight.contiguous()   # (no copies in the model: both already are)
+    return x.contiguous(), weight.contiguous()  # (no copies in the model: both already are)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, fuse_silu: bool = False) -> torch.Tensor:
@@ -77,24 +90,50 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fuse_silu: bool = False) -> torc
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     pdl = use_pdl(x.device, x.shape[0])
     block_n, block_k = gemv_tiles(n, x.shape[1], pdl)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](y, x, weight, n, x.shape[1], FUSE_SILU=fuse_silu, BLOCK_N=block_n,
-                                            BLOCK_K=block_k, PDL=pdl, num_warps=4, launch_pdl=pdl)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        y,
+        x,
+        weight,
+        n,
+        x.shape[1],
+        FUSE_SILU=fuse_silu,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PDL=pdl,
+        num_warps=4,
+        launch_pdl=pdl,
+    )
     return y
+
 
 # %% ../../notebooks/06_attention_kernels.ipynb #258eb244
 @triton.jit
-def _norm_gemv_kernel(y_ptr, sum_ptr, x_ptr, res_ptr, nw_ptr, w_ptr, N, K, eps, HAS_RESIDUAL: tl.constexpr,
-                      FUSE_SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+def _norm_gemv_kernel(
+    y_ptr,
+    sum_ptr,
+    x_ptr,
+    res_ptr,
+    nw_ptr,
+    w_ptr,
+    N,
+    K,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    FUSE_SILU: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     "`gemv` of the row rms_norm(x + residual) * nw, all K inputs in one load (BLOCK_K >= K); program 0 stores the sum."
     pdl_launch_next(PDL)
     n, k = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
     mask = (n < N)[:, None] & (k < K)[None, :]
-    w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=mask, other=0.0)   # first: the long wait
+    w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=mask, other=0.0)  # first: the long wait
     if FUSE_SILU:
         up = tl.load(w_ptr + (n + N)[:, None].to(tl.int64) * K + k[None, :], mask=mask, other=0.0)
-    pdl_wait(PDL)   # the row and the residual: the kernels ahead's outputs
+    pdl_wait(PDL)  # the row and the residual: the kernels ahead's outputs
     h = tl.load(x_ptr + k, mask=k < K, other=0.0)
-    if HAS_RESIDUAL:   # the pending add, rounded to the model's dtype as the plain add is
+    if HAS_RESIDUAL:  # the pending add, rounded to the model's dtype as the plain add is
         h = (h.to(tl.float32) + tl.load(res_ptr + k, mask=k < K, other=0.0).to(tl.float32)).to(h.dtype)
         tl.store(sum_ptr + k, h, mask=(k < K) & (tl.program_id(0) == 0))
     h = h.to(tl.float32)
@@ -107,24 +146,47 @@ def _norm_gemv_kernel(y_ptr, sum_ptr, x_ptr, res_ptr, nw_ptr, w_ptr, N, K, eps, 
     tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n < N)
 
 
-def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-              weight: torch.Tensor, fuse_silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    fuse_silu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`gemv(rms_norm(x + residual) * norm_weight, weight, fuse_silu)` in one kernel, for one row `x` [1, K]. Returns
     the product and `x + residual`, the residual carried on (`x` itself when `residual` is None)."""
     x, weight = check_row(x, weight, fuse_silu, "norm_gemv")
     k = x.shape[1]
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"norm_gemv's residual must match x {tuple(x.shape)} {x.dtype}, "
-                         f"got {tuple(residual.shape)} {residual.dtype}")
+        raise ValueError(
+            f"norm_gemv's residual must match x {tuple(x.shape)} {x.dtype}, "
+            f"got {tuple(residual.shape)} {residual.dtype}"
+        )
     if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
-        raise ValueError(f"norm_gemv's norm_weight must be [{k}] of {x.dtype}, "
-                         f"got {tuple(norm_weight.shape)} {norm_weight.dtype}")
+        raise ValueError(
+            f"norm_gemv's norm_weight must be [{k}] of {x.dtype}, got {tuple(norm_weight.shape)} {norm_weight.dtype}"
+        )
     n = weight.shape[0] // 2 if fuse_silu else weight.shape[0]
     y, total = torch.empty(1, n, dtype=x.dtype, device=x.device), x if residual is None else torch.empty_like(x)
     block_k, pdl = triton.next_power_of_2(k), use_pdl(x.device, x.shape[0])
-    block_n = max(1, min(4 if n >= 4096 else 2, 4096 // block_k))   # a tile of at most 4,096 weights
+    block_n = max(1, min(4 if n >= 4096 else 2, 4096 // block_k))  # a tile of at most 4,096 weights
     _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
-        y, total, x, x if residual is None else residual.contiguous(), norm_weight, weight, n, k, eps,
-        HAS_RESIDUAL=residual is not None, FUSE_SILU=fuse_silu, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
-        num_warps=4, launch_pdl=pdl)
+        y,
+        total,
+        x,
+        x if residual is None else residual.contiguous(),
+        norm_weight,
+        weight,
+        n,
+        k,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        FUSE_SILU=fuse_silu,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PDL=pdl,
+        num_warps=4,
+        launch_pdl=pdl,
+    )
     return y, total

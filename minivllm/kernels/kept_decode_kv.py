@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from .torch_attention import GROUP_KV_BYTES, decode_groups, gather_padded_kv, paged_decode_torch
 
-KEPT_KV_BYTES = 64 << 20   # one layer's kept K + V at most (float32): a larger batch gathers every step instead
-HEADROOM = 64              # positions kept free past the longest context: a rebuild every 64 steps, not every step
+KEPT_KV_BYTES = 64 << 20  # one layer's kept K + V at most (float32): a larger batch gathers every step instead
+HEADROOM = 64  # positions kept free past the longest context: a rebuild every 64 steps, not every step
 
 
 class KeptDecodeKV:
@@ -35,8 +35,9 @@ class KeptDecodeKV:
         same = torch.where(old[:, :width] >= 0, new[:, :width], old[:, :width])
         return torch.equal(same, old[:, :width]) and not bool((old[:, width:] >= 0).any())
 
-    def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
-               block_tables: torch.Tensor) -> bool:
+    def gather(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor
+    ) -> bool:
         "Gather the batch anew, sorted by length; False (and nothing kept) if it would exceed `max_bytes`."
         self.reset()
         lens, order = context_lens.sort(stable=True)
@@ -44,25 +45,32 @@ class KeptDecodeKV:
         capacity = -(-(longest + HEADROOM) // block_size) * block_size
         if 2 * kv_heads * len(lens) * capacity * dim * 4 > self.max_bytes:
             return False
-        self.k, self.v = (torch.zeros(kv_heads, len(lens), capacity, dim, device=k_cache.device)
-                          for _ in range(2))
+        self.k, self.v = (torch.zeros(kv_heads, len(lens), capacity, dim, device=k_cache.device) for _ in range(2))
         for kept, cache in [(self.k, k_cache), (self.v, v_cache)]:
             gathered = gather_padded_kv(cache, block_tables[order], longest)
-            kept[:, :, :gathered.shape[1]] = gathered.permute(2, 0, 1, 3)
+            kept[:, :, : gathered.shape[1]] = gathered.permute(2, 0, 1, 3)
         self.cache, self.order, self.lens, self.tables = k_cache, order, context_lens.clone(), block_tables.clone()
         return True
 
-    def append(self, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
-               block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def append(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         "Copy each sequence's new token (just stored in the cache) to its position in the kept K/V."
         rank, pos = torch.arange(len(self.order), device=k_cache.device), (context_lens - 1).long()[self.order]
         for kept, cache in [(self.k, k_cache), (self.v, v_cache)]:
-            new = cache.view(-1, *cache.shape[2:]).index_select(0, slot_mapping[self.order])   # [B, kv_heads, dim]
+            new = cache.view(-1, *cache.shape[2:]).index_select(0, slot_mapping[self.order])  # [B, kv_heads, dim]
             kept[:, rank, pos] = new.float().transpose(0, 1)
         self.lens, self.tables = context_lens.clone(), block_tables.clone()
 
+
 # %% auto #0
-__all__ = ['KEPT_KV_BYTES', 'HEADROOM', 'KeptDecodeKV', 'attend_kept', 'paged_decode_kept']
+__all__ = ["KEPT_KV_BYTES", "HEADROOM", "KeptDecodeKV", "attend_kept", "paged_decode_kept"]
+
 
 # %% ../../notebooks/05_paged_attention.ipynb #b981513e
 def attend_kept(q: torch.Tensor, kept: KeptDecodeKV, scale: float, group_bytes: int = GROUP_KV_BYTES) -> torch.Tensor:
@@ -75,20 +83,31 @@ def attend_kept(q: torch.Tensor, kept: KeptDecodeKV, scale: float, group_bytes: 
     budget = max(1, group_bytes // (4 * kv_heads * dim))
     for start, end in decode_groups(sorted_lens, 1, budget):
         length = sorted_lens[end - 1]
-        mask = torch.arange(length, device=q.device) < lens[start:end, None]   # [group, L]: True = attend
+        mask = torch.arange(length, device=q.device) < lens[start:end, None]  # [group, L]: True = attend
         out[:, start:end] = F.scaled_dot_product_attention(
-            qs[:, start:end], kept.k[:, start:end, :length], kept.v[:, start:end, :length],
-            attn_mask=mask[None, :, None], scale=scale)
+            qs[:, start:end],
+            kept.k[:, start:end, :length],
+            kept.v[:, start:end, :length],
+            attn_mask=mask[None, :, None],
+            scale=scale,
+        )
     result = torch.empty_like(q)
     result[kept.order] = out.transpose(0, 1).reshape(num_seqs, num_heads, dim).to(q.dtype)
     return result
 
 
-def paged_decode_kept(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
-                      block_tables: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
-                      kept: KeptDecodeKV) -> torch.Tensor:
+def paged_decode_kept(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: float,
+    kept: KeptDecodeKV,
+) -> torch.Tensor:
     "`paged_decode_torch` for a batch that goes on step after step: its K/V gathered once, then appended to."
-    if bool((context_lens <= 0).any()):                      # a padding slot: nothing to keep
+    if bool((context_lens <= 0).any()):  # a padding slot: nothing to keep
         kept.reset()
         return paged_decode_torch(q, k_cache, v_cache, context_lens, block_tables, scale)
     if kept.continues(k_cache, context_lens, block_tables):

@@ -11,51 +11,112 @@ import torch
 import triton
 import triton.language as tl
 
-from .cascade import (SHARED_BLOCK_M, SHARED_BLOCK_N, SHARED_NUM_STAGES, SHARED_NUM_WARPS, _shared_prefix_kernel,
-                      choose_prefix_splits)
-from .common import (check_device, check_kv_cache, dot_options, next_pow2, online_softmax_update,
-                     pdl_launch_next, pdl_wait, use_pdl)
+from minivllm.kernels.cascade import (
+    SHARED_BLOCK_M,
+    SHARED_BLOCK_N,
+    SHARED_NUM_STAGES,
+    SHARED_NUM_WARPS,
+    _shared_prefix_kernel,
+    choose_prefix_splits,
+)
+from minivllm.kernels.common import (
+    check_device,
+    check_kv_cache,
+    dot_options,
+    next_pow2,
+    online_softmax_update,
+    pdl_launch_next,
+    pdl_wait,
+    use_pdl,
+)
 
 # %% auto #0
-__all__ = ['DECODE_BLOCK_N', 'DECODE_NUM_WARPS', 'DECODE_NUM_STAGES', 'DECODE_BLOCK_N_8BIT', 'DECODE_NUM_STAGES_8BIT',
-           'MIN_TILES_PER_SPLIT', 'MAX_SPLITS', 'num_sms', 'choose_num_splits', 'DecodeLaunch', 'plan_decode',
-           'paged_decode_attention']
+__all__ = [
+    "DECODE_BLOCK_N",
+    "DECODE_NUM_WARPS",
+    "DECODE_NUM_STAGES",
+    "DECODE_BLOCK_N_8BIT",
+    "DECODE_NUM_STAGES_8BIT",
+    "MIN_TILES_PER_SPLIT",
+    "MAX_SPLITS",
+    "num_sms",
+    "choose_num_splits",
+    "DecodeLaunch",
+    "plan_decode",
+    "paged_decode_attention",
+]
+
 
 # %% ../../notebooks/06_attention_kernels.ipynb #bf5eeb9b
 @triton.jit(do_not_specialize=["num_splits", "num_parts", "stride_bt"])
 def _paged_decode_kernel(
-        out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-        prefix_len_ptr, cu_seqlens_q_ptr, qk_scale, num_splits, num_parts, stride_q_tok, stride_q_head, stride_o_tok,
-        stride_o_head, stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok, stride_v_head,
-        stride_bt, NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_SPLITS: tl.constexpr,
-        CASCADE: tl.constexpr, FOLD_PREFIX: tl.constexpr, MIXED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        DOT_FP32: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_launch_next(PDL)   # (PDL: at the end of the notebook)
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    prefix_len_ptr,
+    cu_seqlens_q_ptr,
+    qk_scale,
+    num_splits,
+    num_parts,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_k_block,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_block,
+    stride_v_tok,
+    stride_v_head,
+    stride_bt,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_SPLITS: tl.constexpr,
+    CASCADE: tl.constexpr,
+    FOLD_PREFIX: tl.constexpr,
+    MIXED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pdl_launch_next(PDL)  # (PDL: at the end of the notebook)
     pdl_wait(PDL)
     kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    token, q_len = seq, 1                       # the sequence's query row
-    if MIXED:   # a mixed step: the row is the sequence's first token; sequences of more tokens are prefill's (below)
+    token, q_len = seq, 1  # the sequence's query row
+    if MIXED:  # a mixed step: the row is the sequence's first token; sequences of more tokens are prefill's (below)
         token = tl.load(cu_seqlens_q_ptr + seq)
         q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - token
     if q_len != 1:
         return
     context_len = tl.load(context_lens_ptr + seq)
     kv_start = 0
-    if CASCADE:                                 # positions [0, kv_start) are the shared prefix: read elsewhere
+    if CASCADE:  # positions [0, kv_start) are the shared prefix: read elsewhere
         kv_start = tl.load(prefix_len_ptr)
     first_tile = kv_start // BLOCK_N
     num_tiles = tl.maximum(tl.cdiv(context_len, BLOCK_N) - first_tile, 0)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_start = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, first_tile + num_tiles)
-    rows = tl.arange(0, GROUP_PAD)              # the query heads that share this KV head (padded to >= 16)
+    rows = tl.arange(0, GROUP_PAD)  # the query heads that share this KV head (padded to >= 16)
     heads, row_mask = kv_head * GROUP + rows, rows < GROUP
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
-    part = (seq * NUM_Q_HEADS + heads) * num_parts + (num_parts - num_splits) + split   # this split's partial slot
-    q = tl.load(q_ptr + token * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
-                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    part = (seq * NUM_Q_HEADS + heads) * num_parts + (num_parts - num_splits) + split  # this split's partial slot
+    q = tl.load(
+        q_ptr + token * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
     if DOT_FP32:
         q = q.to(tl.float32)
     m_i, l_i = tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32)
@@ -66,39 +127,75 @@ def _paged_decode_kernel(
         pos = tile * BLOCK_N + offs_n
         valid = (pos >= kv_start) & (pos < context_len)
         block, row = tl.load(block_table + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64), pos % PAGE_SIZE
-        k = tl.load(k_cache_ptr + (block * stride_k_block + row * stride_k_tok + kv_head * stride_k_head)[None, :]
-                    + dims[:, None], mask=valid[None, :] & dim_mask[:, None], other=0.0)   # K^T: [DIM_PAD, BLOCK_N]
-        v = tl.load(v_cache_ptr + (block * stride_v_block + row * stride_v_tok + kv_head * stride_v_head)[:, None]
-                    + dims[None, :], mask=valid[:, None] & dim_mask[None, :], other=0.0)
-        k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)   # (an 8-bit cache's tiles: to q's dtype)
+        k = tl.load(
+            k_cache_ptr
+            + (block * stride_k_block + row * stride_k_tok + kv_head * stride_k_head)[None, :]
+            + dims[:, None],
+            mask=valid[None, :] & dim_mask[:, None],
+            other=0.0,
+        )  # K^T: [DIM_PAD, BLOCK_N]
+        v = tl.load(
+            v_cache_ptr
+            + (block * stride_v_block + row * stride_v_tok + kv_head * stride_v_head)[:, None]
+            + dims[None, :],
+            mask=valid[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
+        k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)  # (an 8-bit cache's tiles: to q's dtype)
         if DOT_FP32:
             k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale   # [GROUP_PAD, BLOCK_N], log2 units
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
-    if FOLD_PREFIX:   # the shared prefix's pieces, finished by the kernel launched before: no merge kernel (cascade)
-        m_i, l_i, acc = _fold_parts(m_i, l_i, acc, part_out_ptr, part_lse_ptr, (seq * NUM_Q_HEADS + heads) * num_parts,
-                                    num_parts - 1, dims, row_mask, HEAD_DIM)
-    l_i = tl.where(l_i > 0, l_i, 1.0)   # nothing read (an empty split, a padding row): out 0, lse -inf
+    if FOLD_PREFIX:  # the shared prefix's pieces, finished by the kernel launched before: no merge kernel (cascade)
+        m_i, l_i, acc = _fold_parts(
+            m_i,
+            l_i,
+            acc,
+            part_out_ptr,
+            part_lse_ptr,
+            (seq * NUM_Q_HEADS + heads) * num_parts,
+            num_parts - 1,
+            dims,
+            row_mask,
+            HEAD_DIM,
+        )
+    l_i = tl.where(l_i > 0, l_i, 1.0)  # nothing read (an empty split, a padding row): out 0, lse -inf
     out = acc / l_i[:, None]
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if USE_SPLITS:
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
     else:
-        tl.store(out_ptr + token * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(
+            out_ptr + token * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+
 
 # %% ../../notebooks/06_attention_kernels.ipynb #be175187
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, cu_seqlens_q_ptr, num_splits, stride_o_tok,
-                         stride_o_head, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr, MIXED: tl.constexpr, PDL: tl.constexpr = False):
+def _merge_splits_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    cu_seqlens_q_ptr,
+    num_splits,
+    stride_o_tok,
+    stride_o_head,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    MIXED: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     pdl_launch_next(PDL)
     pdl_wait(PDL)
     head, seq = tl.program_id(0), tl.program_id(1)
     token, q_len = seq, 1
-    if MIXED:   # (as in the decode kernel: a mixed step's rows of one token only)
+    if MIXED:  # (as in the decode kernel: a mixed step's rows of one token only)
         token = tl.load(cu_seqlens_q_ptr + seq)
         q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - token
     if q_len != 1:
@@ -107,13 +204,19 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, cu_seqlens_q_ptr, 
     base = (seq * NUM_Q_HEADS + head) * num_splits
     lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
     has_kv, lse_max = lse > float("-inf"), tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(lse_max > float("-inf"), lse_max, 0.0))   # 0 for empty splits
-    o = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
-                mask=has_kv[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    w = tl.exp2(lse - tl.where(lse_max > float("-inf"), lse_max, 0.0))  # 0 for empty splits
+    o = tl.load(
+        part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=has_kv[:, None] & (dims < HEAD_DIM)[None, :],
+        other=0.0,
+    )
     total = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+    tl.store(
+        out_ptr + token * stride_o_tok + head * stride_o_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
 @triton.jit
@@ -121,24 +224,28 @@ def _fold_parts(m_i, l_i, acc, part_out_ptr, part_lse_ptr, first, count, dims, r
     "Fold `count` finished parts (normalized output `o` and `lse`, slots first..) into a running max, sum and output."
     for p in range(count):
         lse = tl.load(part_lse_ptr + first + p, mask=rows_mask, other=float("-inf"))
-        o = tl.load(part_out_ptr + (first + p)[:, None] * HEAD_DIM + dims[None, :],
-                    mask=(lse > float("-inf"))[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)   # unwritten if empty
-        m_new = tl.maximum(m_i, lse)            # a part is a tile whose max is its lse, whose sum is 1
+        o = tl.load(
+            part_out_ptr + (first + p)[:, None] * HEAD_DIM + dims[None, :],
+            mask=(lse > float("-inf"))[:, None] & (dims < HEAD_DIM)[None, :],
+            other=0.0,
+        )  # unwritten if empty
+        m_new = tl.maximum(m_i, lse)  # a part is a tile whose max is its lse, whose sum is 1
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
         alpha, beta = tl.exp2(m_i - m_safe), tl.exp2(lse - m_safe)
         m_i, l_i, acc = m_new, l_i * alpha + beta, acc * alpha[:, None] + o * beta[:, None]
     return m_i, l_i, acc
 
+
 # %% ../../notebooks/06_attention_kernels.ipynb #cdc15e3d
-DECODE_BLOCK_N = 64      # KV positions per tile: 4 blocks of 16, or a quarter of a block of 256
+DECODE_BLOCK_N = 64  # KV positions per tile: 4 blocks of 16, or a quarter of a block of 256
 DECODE_NUM_WARPS = 4
-DECODE_NUM_STAGES = 3    # software pipelining: block ids fetched 2 tiles ahead, K/V 1 tile ahead
-DECODE_BLOCK_N_8BIT, DECODE_NUM_STAGES_8BIT = 128, 2   # an 8-bit cache: wider tiles, 2 stages (8-bit section)
+DECODE_NUM_STAGES = 3  # software pipelining: block ids fetched 2 tiles ahead, K/V 1 tile ahead
+DECODE_BLOCK_N_8BIT, DECODE_NUM_STAGES_8BIT = 128, 2  # an 8-bit cache: wider tiles, 2 stages (8-bit section)
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 64
 
 
-@functools.cache   # a fact of the hardware: the same for every caller
+@functools.cache  # a fact of the hardware: the same for every caller
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -152,68 +259,104 @@ def num_sms(device: torch.device) -> int:
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, sms: int) -> int:
     "Split each sequence's KV so that at most 4 programs per SM run, with at least MIN_TILES_PER_SPLIT tiles each."
-    wanted = 4 * sms // max(batch * num_kv_heads, 1)   # rounded down: no partial second wave (the GPU section)
+    wanted = 4 * sms // max(batch * num_kv_heads, 1)  # rounded down: no partial second wave (the GPU section)
     most = max(1, triton.cdiv(triton.cdiv(max_context, block_n), MIN_TILES_PER_SPLIT))
     return max(1, min(wanted, most, MAX_SPLITS))
+
 
 # %% ../../notebooks/06_attention_kernels.ipynb #20856aa3
 @dataclass(frozen=True)
 class DecodeLaunch:
     "How a decode step is cut into programs: the grids of its (up to) three kernels and the partial results' slots."
-    num_splits: int     # pieces of each sequence's own KV (the decode kernel's third grid axis)
-    prefix_parts: int   # pieces of the shared prefix (cascade), 0 without one
-    group_pad: int      # query heads per KV head, padded to a power of two
-    q_tiles: int        # programs per KV head of the shared-prefix kernel, SHARED_BLOCK_M query rows each
+
+    num_splits: int  # pieces of each sequence's own KV (the decode kernel's third grid axis)
+    prefix_parts: int  # pieces of the shared prefix (cascade), 0 without one
+    group_pad: int  # query heads per KV head, padded to a power of two
+    q_tiles: int  # programs per KV head of the shared-prefix kernel, SHARED_BLOCK_M query rows each
 
     @property
-    def num_parts(self) -> int:   # partial results per (sequence, head): the prefix's parts first, then the splits
+    def num_parts(self) -> int:  # partial results per (sequence, head): the prefix's parts first, then the splits
         return self.prefix_parts + self.num_splits
 
     @property
-    def fold_prefix(self) -> bool:   # an unsplit own part folds the prefix's parts in itself (cascade): no merge
+    def fold_prefix(self) -> bool:  # an unsplit own part folds the prefix's parts in itself (cascade): no merge
         return self.prefix_parts > 0 and self.num_splits == 1
 
     @property
-    def use_splits(self) -> bool:   # the decode kernel writes partial results, the merge kernel combines them
+    def use_splits(self) -> bool:  # the decode kernel writes partial results, the merge kernel combines them
         return self.num_parts > 1 and not self.fold_prefix
 
 
-def plan_decode(batch: int, num_heads: int, num_kv_heads: int, max_context: int, sms: int, cascade: bool = False,
-                block_n: int = DECODE_BLOCK_N, num_splits: int | None = None) -> DecodeLaunch:
+def plan_decode(
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_context: int,
+    sms: int,
+    cascade: bool = False,
+    block_n: int = DECODE_BLOCK_N,
+    num_splits: int | None = None,
+) -> DecodeLaunch:
     group_pad = next_pow2(num_heads // num_kv_heads)
     num_splits = choose_num_splits(batch, num_kv_heads, max_context, block_n, sms) if num_splits is None else num_splits
     q_tiles = triton.cdiv(batch, max(SHARED_BLOCK_M, group_pad) // group_pad)
     prefix_parts = choose_prefix_splits(num_kv_heads * q_tiles, sms) if cascade else 0
     return DecodeLaunch(num_splits, prefix_parts, group_pad, q_tiles)
 
+
 # %% ../../notebooks/06_attention_kernels.ipynb #22df7a89
 def _check_decode(q, k_cache, v_cache, context_lens, block_tables, shared_prefix_len, cu_seqlens_q=None) -> None:
     check_kv_cache(k_cache, v_cache)
     batch, num_heads, head_dim = q.shape
-    if cu_seqlens_q is not None:   # a mixed step (the prefill section): q has a row per token, not per sequence
+    if cu_seqlens_q is not None:  # a mixed step (the prefill section): q has a row per token, not per sequence
         if cu_seqlens_q.dim() != 1 or shared_prefix_len is not None:
-            raise ValueError(f"cu_seqlens_q must be 1-D (got {tuple(cu_seqlens_q.shape)}), and a mixed step reads "
-                             f"no shared prefix")
+            raise ValueError(
+                f"cu_seqlens_q must be 1-D (got {tuple(cu_seqlens_q.shape)}), and a mixed step reads no shared prefix"
+            )
         batch = cu_seqlens_q.shape[0] - 1
     if k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]:
-        raise ValueError(f"q {tuple(q.shape)} does not fit a cache of {tuple(k_cache.shape)}: head_dim must match "
-                         f"and the number of query heads must be a multiple of the number of KV heads")
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit a cache of {tuple(k_cache.shape)}: head_dim must match "
+            f"and the number of query heads must be a multiple of the number of KV heads"
+        )
     if context_lens.shape != (batch,) or block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"context_lens {tuple(context_lens.shape)} and block_tables {tuple(block_tables.shape)} "
-                         f"must have one row per sequence ({batch})")
+        raise ValueError(
+            f"context_lens {tuple(context_lens.shape)} and block_tables {tuple(block_tables.shape)} "
+            f"must have one row per sequence ({batch})"
+        )
     cascade = shared_prefix_len is not None
     if cascade and (shared_prefix_len.shape != (1,) or shared_prefix_len.dtype != torch.int32):
-        raise ValueError(f"shared_prefix_len must be an int32 tensor of shape (1,), got {shared_prefix_len.dtype} "
-                         f"{tuple(shared_prefix_len.shape)}")
-    check_device(q, k_cache, v_cache, context_lens, block_tables,
-                 *[t for t in (shared_prefix_len, cu_seqlens_q) if t is not None])
+        raise ValueError(
+            f"shared_prefix_len must be an int32 tensor of shape (1,), got {shared_prefix_len.dtype} "
+            f"{tuple(shared_prefix_len.shape)}"
+        )
+    check_device(
+        q,
+        k_cache,
+        v_cache,
+        context_lens,
+        block_tables,
+        *[t for t in (shared_prefix_len, cu_seqlens_q) if t is not None],
+    )
+
 
 # %% ../../notebooks/06_attention_kernels.ipynb #91f5df58
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
-                           block_tables: torch.Tensor, scale: float, *, shared_prefix_len: torch.Tensor | None = None,
-                           num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, out: torch.Tensor | None = None,
-                           cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    shared_prefix_len: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    out: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [B, heads, dim], a token per sequence, over its cached KV; a `shared_prefix_len` (whole blocks) is read once.
     With `cu_seqlens_q`, q holds a mixed step's tokens: only the sequences of one token are attended (written)."""
     _check_decode(q, k_cache, v_cache, context_lens, block_tables, shared_prefix_len, cu_seqlens_q)
@@ -226,33 +369,102 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     eight_bit, cascade = k_cache.element_size() == 1, shared_prefix_len is not None
     block_n = block_n or (DECODE_BLOCK_N_8BIT if eight_bit else DECODE_BLOCK_N)
     num_stages = num_stages or (DECODE_NUM_STAGES_8BIT if eight_bit else DECODE_NUM_STAGES)
-    plan = plan_decode(batch, num_heads, num_kv_heads, block_tables.shape[1] * page_size, num_sms(q.device),
-                       cascade, block_n, num_splits)
-    parts = (batch, num_heads, plan.num_parts) if plan.num_parts > 1 else None   # float32 partial results, if any
+    plan = plan_decode(
+        batch,
+        num_heads,
+        num_kv_heads,
+        block_tables.shape[1] * page_size,
+        num_sms(q.device),
+        cascade,
+        block_n,
+        num_splits,
+    )
+    parts = (batch, num_heads, plan.num_parts) if plan.num_parts > 1 else None  # float32 partial results, if any
     part_out = out if parts is None else torch.empty(*parts, head_dim, dtype=torch.float32, device=q.device)
     part_lse = out if parts is None else torch.empty(parts, dtype=torch.float32, device=q.device)
-    common = dict(NUM_Q_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-                  DIM_PAD=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, **dot_options(q.dtype))
+    common = dict(
+        NUM_Q_HEADS=num_heads,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        DIM_PAD=max(16, next_pow2(head_dim)),
+        PAGE_SIZE=page_size,
+        **dot_options(q.dtype),
+    )
     log2_scale, sk, sv = scale * math.log2(math.e), k_cache.stride(), v_cache.stride()
     pdl = use_pdl(q.device, q.shape[0])
     if cascade:
         _shared_prefix_kernel[(num_kv_heads, plan.q_tiles, plan.prefix_parts)](
-            part_out, part_lse, q, k_cache, v_cache, block_tables, context_lens, shared_prefix_len, log2_scale, batch,
-            plan.num_parts, q.stride(0), q.stride(1), *sk[:3], *sv[:3], GROUP_PAD=plan.group_pad,
-            BLOCK_M=max(SHARED_BLOCK_M, plan.group_pad), BLOCK_N=SHARED_BLOCK_N, **common,
-            num_warps=SHARED_NUM_WARPS, num_stages=SHARED_NUM_STAGES)
+            part_out,
+            part_lse,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            shared_prefix_len,
+            log2_scale,
+            batch,
+            plan.num_parts,
+            q.stride(0),
+            q.stride(1),
+            *sk[:3],
+            *sv[:3],
+            GROUP_PAD=plan.group_pad,
+            BLOCK_M=max(SHARED_BLOCK_M, plan.group_pad),
+            BLOCK_N=SHARED_BLOCK_N,
+            **common,
+            num_warps=SHARED_NUM_WARPS,
+            num_stages=SHARED_NUM_STAGES,
+        )
     _paged_decode_kernel[(num_kv_heads, batch, plan.num_splits)](
-        out, part_out, part_lse, q, k_cache, v_cache, block_tables, context_lens,
-        shared_prefix_len if cascade else context_lens, cu_seqlens_q if mixed else context_lens, log2_scale,
-        plan.num_splits, plan.num_parts,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *sk[:3], *sv[:3], block_tables.stride(0),
-        GROUP_PAD=max(16, plan.group_pad), BLOCK_N=block_n, USE_SPLITS=plan.use_splits, CASCADE=cascade,
-        FOLD_PREFIX=plan.fold_prefix, MIXED=mixed, PDL=pdl, **common,
-        num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages, launch_pdl=pdl)
-    if plan.use_splits:   # (SPLITS_PAD picks a compiled variant: a mixed step's is always MAX_SPLITS's, see below)
+        out,
+        part_out,
+        part_lse,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        shared_prefix_len if cascade else context_lens,
+        cu_seqlens_q if mixed else context_lens,
+        log2_scale,
+        plan.num_splits,
+        plan.num_parts,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *sk[:3],
+        *sv[:3],
+        block_tables.stride(0),
+        GROUP_PAD=max(16, plan.group_pad),
+        BLOCK_N=block_n,
+        USE_SPLITS=plan.use_splits,
+        CASCADE=cascade,
+        FOLD_PREFIX=plan.fold_prefix,
+        MIXED=mixed,
+        PDL=pdl,
+        **common,
+        num_warps=num_warps or DECODE_NUM_WARPS,
+        num_stages=num_stages,
+        launch_pdl=pdl,
+    )
+    if plan.use_splits:  # (SPLITS_PAD picks a compiled variant: a mixed step's is always MAX_SPLITS's, see below)
         _merge_splits_kernel[(num_heads, batch)](
-            out, part_out, part_lse, cu_seqlens_q if mixed else context_lens, plan.num_parts, out.stride(0),
-            out.stride(1), NUM_Q_HEADS=num_heads, HEAD_DIM=head_dim, DIM_PAD=next_pow2(head_dim),
-            SPLITS_PAD=next_pow2(MAX_SPLITS if mixed else plan.num_parts), MIXED=mixed, PDL=pdl, num_warps=4,
-            launch_pdl=pdl)
+            out,
+            part_out,
+            part_lse,
+            cu_seqlens_q if mixed else context_lens,
+            plan.num_parts,
+            out.stride(0),
+            out.stride(1),
+            NUM_Q_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            DIM_PAD=next_pow2(head_dim),
+            SPLITS_PAD=next_pow2(MAX_SPLITS if mixed else plan.num_parts),
+            MIXED=mixed,
+            PDL=pdl,
+            num_warps=4,
+            launch_pdl=pdl,
+        )
     return out

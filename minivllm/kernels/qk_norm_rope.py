@@ -17,26 +17,47 @@ def _norm_rotate(x1, x2, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM:
         half = tl.arange(0, HEAD_DIM // 2)[None, :]
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         r = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM + eps)[:, None]
-        x1 = tl.load(w_ptr + half) * (f1 * r).to(x1.dtype)   # weight * x.to(dtype): in the model's dtype
+        x1 = tl.load(w_ptr + half) * (f1 * r).to(x1.dtype)  # weight * x.to(dtype): in the model's dtype
         x2 = tl.load(w_ptr + HEAD_DIM // 2 + half) * (f2 * r).to(x2.dtype)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     return f1 * cos - f2 * sin, f2 * cos + f1 * sin
 
 
 @triton.jit
-def _qk_norm_rope_store_kernel(qkv_ptr, q_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache_ptr,
-                               v_cache_ptr, stride_qkv, stride_q, stride_cs, stride_kc_slot, stride_kc_head,
-                               stride_vc_slot, stride_vc_head, eps, NUM_HEADS: tl.constexpr,
-                               NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_PAD: tl.constexpr,
-                               KV_PAD: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_launch_next(PDL)   # (PDL: the section "start the next kernel early", at the end of the notebook)
+def _qk_norm_rope_store_kernel(
+    qkv_ptr,
+    q_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    cos_sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_qkv,
+    stride_q,
+    stride_cs,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_slot,
+    stride_vc_head,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    Q_PAD: tl.constexpr,
+    KV_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pdl_launch_next(PDL)  # (PDL: the section "start the next kernel early", at the end of the notebook)
     pdl_wait(PDL)
     token = tl.program_id(0)
     half = tl.arange(0, HEAD_DIM // 2)[None, :]
     angles = cos_sin_ptr + tl.load(pos_ptr + token).to(tl.int64) * stride_cs
-    cos, sin = tl.load(angles + half), tl.load(angles + HEAD_DIM // 2 + half)   # [1, D/2] float32
+    cos, sin = tl.load(angles + half), tl.load(angles + HEAD_DIM // 2 + half)  # [1, D/2] float32
     row = qkv_ptr + token.to(tl.int64) * stride_qkv
-    heads = tl.arange(0, Q_PAD)[:, None]                 # the queries: heads 0..NUM_HEADS-1 of the row
+    heads = tl.arange(0, Q_PAD)[:, None]  # the queries: heads 0..NUM_HEADS-1 of the row
     mask = (heads < NUM_HEADS) & (half >= 0)
     x1 = tl.load(row + heads * HEAD_DIM + half, mask=mask, other=0.0)
     x2 = tl.load(row + heads * HEAD_DIM + HEAD_DIM // 2 + half, mask=mask, other=0.0)
@@ -45,9 +66,9 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, po
     tl.store(out, y1.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(out + HEAD_DIM // 2, y2.to(q_ptr.dtype.element_ty), mask=mask)
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot < 0:   # a padding token: no K/V to keep
+    if slot < 0:  # a padding token: no K/V to keep
         return
-    heads = tl.arange(0, KV_PAD)[:, None]                # the keys, then the values
+    heads = tl.arange(0, KV_PAD)[:, None]  # the keys, then the values
     mask = (heads < NUM_KV_HEADS) & (half >= 0)
     keys = row + (NUM_HEADS + heads) * HEAD_DIM + half
     x1 = tl.load(keys, mask=mask, other=0.0)
@@ -63,25 +84,39 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, po
 
 
 # %% auto #0
-__all__ = ['qk_norm_rope_store']
+__all__ = ["qk_norm_rope_store"]
+
 
 # %% ../../notebooks/06_attention_kernels.ipynb #a96818b2
-def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                       q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-                       cos_sin_cache: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+def qk_norm_rope_store(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
     """From a packed `qkv` [N, (heads + 2 kv_heads) * head_dim]: the queries normed and rotated, returned
     [N, heads, head_dim]; the keys normed and rotated and the values written into the cache at `slot_mapping`."""
     check_kv_cache(k_cache, v_cache)
     n = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
-        raise ValueError(f"qkv must be [N, {(num_heads + 2 * num_kv_heads) * head_dim}] with contiguous rows, "
-                         f"got {tuple(qkv.shape)}")
+        raise ValueError(
+            f"qkv must be [N, {(num_heads + 2 * num_kv_heads) * head_dim}] with contiguous rows, got {tuple(qkv.shape)}"
+        )
     if head_dim != next_pow2(head_dim) or tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
         raise ValueError(f"head_dim must be a power of two and fit the cache {tuple(k_cache.shape)}, got {head_dim}")
     if k_cache.dtype != qkv.dtype or positions.shape != (n,) or slot_mapping.shape != (n,):
-        raise ValueError(f"qkv {qkv.dtype} [N={n}], positions {tuple(positions.shape)}, slot_mapping "
-                         f"{tuple(slot_mapping.shape)} do not fit a {k_cache.dtype} cache")
+        raise ValueError(
+            f"qkv {qkv.dtype} [N={n}], positions {tuple(positions.shape)}, slot_mapping "
+            f"{tuple(slot_mapping.shape)} do not fit a {k_cache.dtype} cache"
+        )
     if cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(1) != 1:
         raise ValueError(f"the cos/sin table must be [positions, {head_dim}], got {tuple(cos_sin_cache.shape)}")
     check_device(qkv, cos_sin_cache, positions, slot_mapping, k_cache, v_cache)
@@ -89,10 +124,30 @@ def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
     if n:
         has_norm, pdl = q_weight is not None, use_pdl(qkv.device, qkv.shape[0])
         _qk_norm_rope_store_kernel[(n,)](
-            qkv, q, q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos_sin_cache, positions,
-            slot_mapping, k_cache, v_cache, qkv.stride(0), q.stride(0), cos_sin_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), eps, NUM_HEADS=num_heads,
-            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, Q_PAD=next_pow2(num_heads), KV_PAD=next_pow2(num_kv_heads),
-            HAS_NORM=has_norm, PDL=pdl, launch_pdl=pdl)
+            qkv,
+            q,
+            q_weight if has_norm else qkv,
+            k_weight if has_norm else qkv,
+            cos_sin_cache,
+            positions,
+            slot_mapping,
+            k_cache,
+            v_cache,
+            qkv.stride(0),
+            q.stride(0),
+            cos_sin_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            eps,
+            NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim,
+            Q_PAD=next_pow2(num_heads),
+            KV_PAD=next_pow2(num_kv_heads),
+            HAS_NORM=has_norm,
+            PDL=pdl,
+            launch_pdl=pdl,
+        )
     return q
-

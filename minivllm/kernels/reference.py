@@ -24,43 +24,70 @@ def causal_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     scores = scores.masked_fill(future, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
 
+
 # %% auto #0
-__all__ = ['FP8', 'FP8_MAX', 'gather_kv', 'causal_attention_ref', 'paged_attention_ref', 'varlen_attention_ref', 'write_slots',
-           'store_kvcache_ref']
+__all__ = [
+    "FP8",
+    "FP8_MAX",
+    "gather_kv",
+    "causal_attention_ref",
+    "paged_attention_ref",
+    "varlen_attention_ref",
+    "write_slots",
+    "store_kvcache_ref",
+]
+
 
 # %% ../../notebooks/05_paged_attention.ipynb #e450ef8e
-def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     "Causal attention of each sequence's query rows over its cached K/V (prefill chunks and decode tokens alike)."
     out, cu, lens = torch.zeros_like(q), cu_seqlens_q.tolist(), context_lens.tolist()
     for i, length in enumerate(lens):
         k, v = gather_kv(k_cache, block_tables[i], length), gather_kv(v_cache, block_tables[i], length)
-        out[cu[i]:cu[i + 1]] = causal_attention_ref(q[cu[i]:cu[i + 1]], k, v, scale)
+        out[cu[i] : cu[i + 1]] = causal_attention_ref(q[cu[i] : cu[i + 1]], k, v, scale)
     return out
 
 
-def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                         cu_seqlens_k: torch.Tensor, scale: float) -> torch.Tensor:
+def varlen_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     "Causal attention over K/V given per token (no cache): sequence i is rows cu_seqlens_q[i]:cu_seqlens_q[i+1]."
     out, cq, ck = torch.zeros_like(q), cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(cq) - 1):
-        out[cq[i]:cq[i + 1]] = causal_attention_ref(q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]], scale)
+        out[cq[i] : cq[i + 1]] = causal_attention_ref(
+            q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]], scale
+        )
     return out
 
+
 # %% ../../notebooks/05_paged_attention.ipynb #3670ec8b
-FP8, FP8_MAX = torch.float8_e4m3fn, 448.0   # an 8-bit KV cache (kv_cache_dtype="fp8", notebook 06): e4m3's largest
+FP8, FP8_MAX = torch.float8_e4m3fn, 448.0  # an 8-bit KV cache (kv_cache_dtype="fp8", notebook 06): e4m3's largest
 
 
 def write_slots(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     "`cache` viewed as `[slots, heads, dim]`: rows `slots` = `x`, in the cache's dtype (8-bit: clamped to its range)."
     flat = cache.view(-1, *cache.shape[2:])
-    if cache.dtype == FP8:   # (index_copy_ has no float8 kernel on a CPU: the rounded values are copied as bytes)
+    if cache.dtype == FP8:  # (index_copy_ has no float8 kernel on a CPU: the rounded values are copied as bytes)
         flat, x = flat.view(torch.uint8), x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
     flat.index_copy_(0, slots, x.to(flat.dtype))
 
 
-def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+def store_kvcache_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     "Write k, v [N, kv_heads, dim] into the caches at `slot_mapping` (negative slots are skipped)."
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()

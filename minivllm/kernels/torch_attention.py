@@ -8,38 +8,56 @@ import torch.nn.functional as F
 
 from .reference import gather_kv, store_kvcache_ref, write_slots
 
-GROUP_KV_BYTES = 4 << 20   # float32 keys of one group of decode sequences: small enough to stay in a CPU's cache
+GROUP_KV_BYTES = 4 << 20  # float32 keys of one group of decode sequences: small enough to stay in a CPU's cache
 
 
 def gather_padded_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
     "The first `max_len` positions (whole blocks) of each sequence, one copy: [B, L, kv_heads, head_dim]."
     num_seqs, block_size = block_tables.shape[0], cache.shape[1]
     num_blocks = -(-max_len // block_size)
-    blocks = block_tables[:, :num_blocks].clamp(min=0).flatten()   # -1 (no block) reads block 0: masked later
+    blocks = block_tables[:, :num_blocks].clamp(min=0).flatten()  # -1 (no block) reads block 0: masked later
     return cache.index_select(0, blocks).view(num_seqs, num_blocks * block_size, *cache.shape[2:])
 
 
-def decode_attention_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
-                            block_tables: torch.Tensor, scale: float, max_len: int) -> torch.Tensor:
+def decode_attention_padded(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_len: int,
+) -> torch.Tensor:
     "q [B, heads, dim], one token per sequence, over its `context_lens[i] <= max_len` cached tokens -> float32 out."
     (num_seqs, num_heads, head_dim), num_kv_heads = q.shape, k_cache.shape[2]
     group = num_heads // num_kv_heads
-    k = gather_padded_kv(k_cache, block_tables, max_len).float()              # [B, L, kv_heads, dim]
+    k = gather_padded_kv(k_cache, block_tables, max_len).float()  # [B, L, kv_heads, dim]
     v = gather_padded_kv(v_cache, block_tables, max_len).float()
     q = (q.float() * scale).view(num_seqs, num_kv_heads, group, head_dim)
     scores = q.new_empty(num_kv_heads, num_seqs, group, k.shape[1])
-    for h in range(num_kv_heads):   # the group's query rows [B, group, dim] @ this head's keys [B, dim, L] (a view)
+    for h in range(num_kv_heads):  # the group's query rows [B, group, dim] @ this head's keys [B, dim, L] (a view)
         torch.bmm(q[:, h], k[:, :, h].transpose(1, 2), out=scores[h])
-    past_end = torch.arange(k.shape[1], device=q.device) >= context_lens[:, None]       # [B, L]
-    probs = scores.masked_fill_(past_end[:, None], float("-inf")).softmax(dim=-1)   # 0 past the end: 0 x any finite v
+    past_end = torch.arange(k.shape[1], device=q.device) >= context_lens[:, None]  # [B, L]
+    probs = scores.masked_fill_(past_end[:, None], float("-inf")).softmax(dim=-1)  # 0 past the end: 0 x any finite v
     out = q.new_empty(num_kv_heads, num_seqs, group, head_dim)
     for h in range(num_kv_heads):
         torch.bmm(probs[h], v[:, :, h], out=out[h])
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
+
 # %% auto #0
-__all__ = ['GROUP_KV_BYTES', 'gather_padded_kv', 'decode_attention_padded', 'decode_groups', 'paged_decode_torch',
-           'causal_attention_sdpa', 'paged_attention_torch', 'store_kvcache_torch', 'varlen_attention_torch']
+__all__ = [
+    "GROUP_KV_BYTES",
+    "gather_padded_kv",
+    "decode_attention_padded",
+    "decode_groups",
+    "paged_decode_torch",
+    "causal_attention_sdpa",
+    "paged_attention_torch",
+    "store_kvcache_torch",
+    "varlen_attention_torch",
+]
+
 
 # %% ../../notebooks/05_paged_attention.ipynb #8266cc7e
 def decode_groups(sorted_lens: list[int], block_size: int, max_tokens: int) -> list[tuple[int, int]]:
@@ -54,34 +72,60 @@ def decode_groups(sorted_lens: list[int], block_size: int, max_tokens: int) -> l
     return groups
 
 
-def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
-                       block_tables: torch.Tensor, scale: float, group_bytes: int = GROUP_KV_BYTES) -> torch.Tensor:
+def paged_decode_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    group_bytes: int = GROUP_KV_BYTES,
+) -> torch.Tensor:
     "One query token per sequence over its cached K/V: sorted by length, in cache-sized batched groups."
-    out = torch.zeros_like(q)                       # a sequence without context (a padding slot) gets zeros
+    out = torch.zeros_like(q)  # a sequence without context (a padding slot) gets zeros
     lens, order = context_lens.sort()
     lens = lens.tolist()
     first = next((i for i, n in enumerate(lens) if n > 0), len(lens))
-    budget = max(1, group_bytes // (4 * k_cache.shape[2] * k_cache.shape[3]))   # float32 tokens per group
+    budget = max(1, group_bytes // (4 * k_cache.shape[2] * k_cache.shape[3]))  # float32 tokens per group
     for start, end in decode_groups(lens[first:], k_cache.shape[1], budget):
-        rows = order[first + start:first + end]
-        out[rows] = decode_attention_padded(q[rows], k_cache, v_cache, context_lens[rows], block_tables[rows], scale,
-                                            lens[first + end - 1]).to(q.dtype)
+        rows = order[first + start : first + end]
+        out[rows] = decode_attention_padded(
+            q[rows], k_cache, v_cache, context_lens[rows], block_tables[rows], scale, lens[first + end - 1]
+        ).to(q.dtype)
     return out
+
 
 # %% ../../notebooks/05_paged_attention.ipynb #5993e23a
 def causal_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     "`causal_attention_ref` in one fused call: q [n, heads, dim] are the last n positions of k, v [L, kv_heads, dim]."
     n, length = q.shape[0], k.shape[0]
     mask = None if n == length else torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
-    return F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
-                                          v.float().transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
-                                          scale=scale, enable_gqa=True)[0].transpose(0, 1).to(q.dtype)
+    return (
+        F.scaled_dot_product_attention(
+            q.float().transpose(0, 1)[None],
+            k.float().transpose(0, 1)[None],
+            v.float().transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )[0]
+        .transpose(0, 1)
+        .to(q.dtype)
+    )
 
 
-def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     "`paged_attention_ref`, fast on a CPU: the decode rows of all sequences batched, one SDPA call per prefill chunk."
-    decode = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]) == 1   # the sequences that compute one token
+    decode = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]) == 1  # the sequences that compute one token
     if bool(decode.all()):
         return paged_decode_torch(q, k_cache, v_cache, context_lens, block_tables, scale)
     out = torch.zeros_like(q)
@@ -92,12 +136,13 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     for i, length in enumerate(lens):
         if cu[i + 1] - cu[i] > 1:
             k, v = gather_kv(k_cache, block_tables[i], length), gather_kv(v_cache, block_tables[i], length)
-            out[cu[i]:cu[i + 1]] = causal_attention_sdpa(q[cu[i]:cu[i + 1]], k, v, scale)
+            out[cu[i] : cu[i + 1]] = causal_attention_sdpa(q[cu[i] : cu[i + 1]], k, v, scale)
     return out
 
 
-def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slot_mapping: torch.Tensor) -> None:
+def store_kvcache_torch(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     "`store_kvcache_ref` without its boolean masks when no slot is negative (always, on a CPU: no padded batches)."
     if slot_mapping.numel() == 0 or int(slot_mapping.min()) < 0:
         return store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
@@ -105,12 +150,19 @@ def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     write_slots(v_cache, slot_mapping.long(), v)
 
 
-def varlen_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                           cu_seqlens_k: torch.Tensor, scale: float) -> torch.Tensor:
+def varlen_attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     "`varlen_attention_ref` (no cache) with one fused SDPA call per sequence."
     out, cq, ck = torch.zeros_like(q), cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(cq) - 1):
         if cq[i + 1] > cq[i]:
-            out[cq[i]:cq[i + 1]] = causal_attention_sdpa(q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]],
-                                                         scale)
+            out[cq[i] : cq[i + 1]] = causal_attention_sdpa(
+                q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]], scale
+            )
     return out

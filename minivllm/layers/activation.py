@@ -12,6 +12,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     "`silu(gate) * up`; on a GPU, notebook 06's Triton kernel `silu_mul` (which it measures)."
     if x.is_cuda:
         from minivllm.kernels.activation import silu_mul
+
         return silu_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -25,5 +26,6 @@ class SiluAndMul(nn.Module):
             raise ValueError(f"SiluAndMul needs an even last dimension (gate and up), got {x.shape[-1]}")
         return silu_and_mul(x)
 
+
 # %% auto #0
-__all__ = ['silu_and_mul', 'SiluAndMul']
+__all__ = ["silu_and_mul", "SiluAndMul"]

@@ -30,7 +30,7 @@ class VocabParallelEmbedding(nn.Module):
         no_shard_id(self, shard_id)
         check_shape(loaded_weight, self.checkpoint_shape(param))
         n = self.vocab_end_idx - self.vocab_start_idx
-        param.data[:n].copy_(loaded_weight[self.vocab_start_idx:self.vocab_end_idx])
+        param.data[:n].copy_(loaded_weight[self.vocab_start_idx : self.vocab_end_idx])
         param.data[n:].zero_()  # padding rows of the last rank
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -44,8 +44,10 @@ class VocabParallelEmbedding(nn.Module):
         tp = f", tokens [{self.vocab_start_idx}, {self.vocab_end_idx}) of rank {self.tp.rank}/{self.tp.size}"
         return f"{self.num_embeddings}, {self.embedding_dim}" + (tp if self.tp.size > 1 else "")
 
+
 # %% auto #0
-__all__ = ['VocabParallelEmbedding', 'ParallelLMHead']
+__all__ = ["VocabParallelEmbedding", "ParallelLMHead"]
+
 
 # %% ../../notebooks/04_layers.ipynb #9f647906
 class ParallelLMHead(VocabParallelEmbedding):
@@ -55,18 +57,20 @@ class ParallelLMHead(VocabParallelEmbedding):
         if bias:
             raise ValueError("ParallelLMHead does not support a bias")
         super().__init__(num_embeddings, embedding_dim, tp=tp)
-        self.packed_weight: torch.Tensor | None = None   # set by `pack_for_cpu` (notebook 04's linear layers)
+        self.packed_weight: torch.Tensor | None = None  # set by `pack_for_cpu` (notebook 04's linear layers)
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         if embedding.weight.shape != self.weight.shape:
-            raise ValueError(f"cannot tie an LM head of shape {list(self.weight.shape)} "
-                             f"to an embedding of shape {list(embedding.weight.shape)}")
+            raise ValueError(
+                f"cannot tie an LM head of shape {list(self.weight.shape)} "
+                f"to an embedding of shape {list(embedding.weight.shape)}"
+            )
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         "`[num_rows, hidden] -> [num_rows, vocab]` logits (each rank gets all of them), into `out` if given."
-        if out is not None and self.tp.size == 1:   # straight into the buffer (a CUDA graph's output): no copy
+        if out is not None and self.tp.size == 1:  # straight into the buffer (a CUDA graph's output): no copy
             return torch.mm(hidden_states, self.weight.t(), out=out)
         logits = all_gather_last_dim(linear(hidden_states, self.weight, packed=self.packed_weight), self.tp)
-        logits = logits[..., :self.num_embeddings]
+        logits = logits[..., : self.num_embeddings]
         return logits if out is None else out.copy_(logits)

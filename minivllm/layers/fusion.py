@@ -10,7 +10,7 @@ import torch
 
 def fused_on_gpu(fn):
     "Run `fn` compiled by `torch.compile` (its elementwise ops fused into one kernel) on CUDA tensors, as-is elsewhere."
-    compiled = None   # made at the first CUDA call: importing torch.compile's machinery costs seconds
+    compiled = None  # made at the first CUDA call: importing torch.compile's machinery costs seconds
 
     @functools.wraps(fn)
     def wrapper(x: torch.Tensor, *args, **kwargs):
@@ -19,7 +19,9 @@ def fused_on_gpu(fn):
             return fn(x, *args, **kwargs)
         compiled = compiled or torch.compile(fn, dynamic=True)
         return compiled(x, *args, **kwargs)
+
     return wrapper
 
+
 # %% auto #0
-__all__ = ['fused_on_gpu']
+__all__ = ["fused_on_gpu"]

@@ -22,8 +22,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @fused_on_gpu
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     x = x + residual
     return _rms_norm(x, weight, eps), x
 
@@ -35,8 +36,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.hidden_size, self.eps, self.weight = hidden_size, eps, nn.Parameter(torch.ones(hidden_size))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
@@ -44,5 +46,6 @@ class RMSNorm(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
 
+
 # %% auto #0
-__all__ = ['rms_norm', 'add_rms_norm', 'RMSNorm']
+__all__ = ["rms_norm", "add_rms_norm", "RMSNorm"]

@@ -22,21 +22,23 @@ def no_shard_id(layer: nn.Module, shard_id) -> None:
         raise ValueError(f"{type(layer).__name__} has no packed shards, got shard_id {shard_id!r}")
 
 
-PACKED_MAX_ROWS = 256   # the most rows a product on the packed copy takes (the speed trick at the end of this section)
+PACKED_MAX_ROWS = 256  # the most rows a product on the packed copy takes (the speed trick at the end of this section)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+) -> torch.Tensor:
     """`x W^T + b`; with `packed`, oneDNN's copy of the weight on a CPU, for up to 256 rows (their count padded to 2^k);
     one row on a GPU: a matrix-vector kernel (`gemv`, notebook 06: cuBLAS reads a weight for one row slowly)."""
-    if x.is_cuda and bias is None and x.numel() == x.shape[-1]:   # one row on a GPU: notebook 06's kernel
+    if x.is_cuda and bias is None and x.numel() == x.shape[-1]:  # one row on a GPU: notebook 06's kernel
         from minivllm.kernels.gemv import gemv
+
         return gemv(x.reshape(1, -1), weight).view(*x.shape[:-1], -1)
-    rows = 0 if packed is None else x.numel() // max(x.shape[-1], 1)   # (no copy: a GPU, a layer nobody packed)
+    rows = 0 if packed is None else x.numel() // max(x.shape[-1], 1)  # (no copy: a GPU, a layer nobody packed)
     if not 0 < rows <= PACKED_MAX_ROWS:
         return F.linear(x, weight, bias)
     flat, padded = x.reshape(rows, x.shape[-1]), 1 << (rows - 1).bit_length()
-    if padded > rows:   # one oneDNN kernel per row count is kept: only powers of two, so at most 9 per shape
+    if padded > rows:  # one oneDNN kernel per row count is kept: only powers of two, so at most 9 per shape
         flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
     return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")[:rows].reshape(*x.shape[:-1], -1)
 
@@ -44,13 +46,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class LinearBase(nn.Module):
     "`y = x W^T + b` with this rank's `weight` `[output_size, input_size]`; `tp_dim` is the dim cut across ranks."
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None,
-                 tp: TPGroup = SINGLE):
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None, tp: TPGroup = SINGLE
+    ):
         super().__init__()
         self.tp, self.tp_dim, self.input_size, self.output_size = tp, tp_dim, input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
-        self.packed_weight: torch.Tensor | None = None   # set by `pack_for_cpu` (below) on a CPU
+        self.packed_weight: torch.Tensor | None = None  # set by `pack_for_cpu` (below) on a CPU
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
             self.bias.weight_loader = self.weight_loader
@@ -65,12 +68,27 @@ class LinearBase(nn.Module):
         return linear(x, self.weight, self.bias, self.packed_weight)
 
     def extra_repr(self) -> str:
-        return (f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
-                + (f", tp_rank={self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else ""))
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}" + (
+            f", tp_rank={self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else ""
+        )
+
 
 # %% auto #0
-__all__ = ['PACKED_MAX_ROWS', 'check_shape', 'no_shard_id', 'linear', 'LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear',
-           'MergedColumnParallelLinear', 'QKVParallelLinear', 'RowParallelLinear', 'cpu_packing_works', 'pack_for_cpu']
+__all__ = [
+    "PACKED_MAX_ROWS",
+    "check_shape",
+    "no_shard_id",
+    "linear",
+    "LinearBase",
+    "ReplicatedLinear",
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "RowParallelLinear",
+    "cpu_packing_works",
+    "pack_for_cpu",
+]
+
 
 # %% ../../notebooks/04_layers.ipynb #18abf528
 class ReplicatedLinear(LinearBase):
@@ -100,6 +118,7 @@ class ColumnParallelLinear(LinearBase):
         shard = param.shape[0]
         param.data.copy_(loaded_weight.narrow(0, self.tp.rank * shard, shard))
 
+
 # %% ../../notebooks/04_layers.ipynb #7df0856c
 class MergedColumnParallelLinear(ColumnParallelLinear):
     "Several column-parallel weights (e.g. gate and up) side by side in one matmul; `shard_id` is the part's index."
@@ -121,12 +140,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         shard, offset = full // self.tp.size, sum(self.output_sizes[:shard_id]) // self.tp.size
         param.data.narrow(0, offset, shard).copy_(loaded_weight.narrow(0, self.tp.rank * shard, shard))
 
+
 # %% ../../notebooks/04_layers.ipynb #6087796c
 class QKVParallelLinear(ColumnParallelLinear):
     "Q, K and V projections packed into one matmul; heads split across ranks (KV heads replicated if too few)."
 
-    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int | None = None,
-                 bias: bool = False, *, tp: TPGroup = SINGLE):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = False,
+        *,
+        tp: TPGroup = SINGLE,
+    ):
         total_num_kv_heads = total_num_kv_heads or total_num_heads
         self.head_size, self.total_num_heads, self.total_num_kv_heads = head_size, total_num_heads, total_num_kv_heads
         self.num_heads = divide(total_num_heads, tp.size, "num_attention_heads")
@@ -153,6 +181,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             first_head = self.tp.rank // self.kv_replicas * self.num_kv_heads
         param.data.narrow(0, offset, shard).copy_(loaded_weight.narrow(0, first_head * self.head_size, shard))
 
+
 # %% ../../notebooks/04_layers.ipynb #0c54c4bb
 class RowParallelLinear(LinearBase):
     "Input features split across ranks; the partial outputs are summed by an all-reduce (bias added once)."
@@ -173,8 +202,8 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded_weight.narrow(1, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(linear(x, self.weight, self.bias if self.tp.rank == 0 else None, self.packed_weight),
-                          self.tp)
+        return all_reduce(linear(x, self.weight, self.bias if self.tp.rank == 0 else None, self.packed_weight), self.tp)
+
 
 # %% ../../notebooks/04_layers.ipynb #365cb248
 @functools.cache
@@ -183,7 +212,7 @@ def cpu_packing_works() -> bool:
     x, w = torch.arange(24.0).view(3, 8) / 8, torch.arange(40.0).view(5, 8) / 8
     try:
         return torch.allclose(linear(x, w, packed=torch.ops.mkldnn._reorder_linear_weight(w, None)), F.linear(x, w))
-    except (AttributeError, RuntimeError):   # no such op in this build, or not for this CPU
+    except (AttributeError, RuntimeError):  # no such op in this build, or not for this CPU
         return False
 
 
@@ -191,8 +220,11 @@ def pack_for_cpu(model: nn.Module) -> int:
     "Give each layer with a `packed_weight` slot oneDNN's copy of its float32 CPU weight; returns how many got one."
     if not cpu_packing_works():
         return 0
-    layers = [m for m in model.modules() if hasattr(m, "packed_weight")
-              and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    layers = [
+        m
+        for m in model.modules()
+        if hasattr(m, "packed_weight") and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+    ]
     for layer in layers:
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
     return len(layers)

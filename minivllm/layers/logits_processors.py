@@ -10,11 +10,17 @@ import torch
 from ..sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
-RECENT_TOKENS = 16   # the history keeps each request's last 16 tokens: bad words of up to 17 tokens
+RECENT_TOKENS = 16  # the history keeps each request's last 16 tokens: bad words of up to 17 tokens
 
 
-def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
-                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
     """vLLM's penalties on `logits` [P, V]: each token seen in the prompt or the output has its logit divided by
     `repetition` (multiplied when negative); then each output token loses `frequency` x its count and `presence`."""
     seen = output_counts > 0
@@ -22,8 +28,10 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
     logits = torch.where(logits > 0, logits / scale, logits * scale)
     return logits - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * seen
 
+
 # %% auto #0
-__all__ = ['RECENT_TOKENS', 'Entries', 'apply_penalties', 'TokenHistory', 'LogitsProcessors', 'build_logits_processors']
+__all__ = ["RECENT_TOKENS", "Entries", "apply_penalties", "TokenHistory", "LogitsProcessors", "build_logits_processors"]
+
 
 # %% ../../notebooks/07_sampler.ipynb #b1c0a002
 class TokenHistory:
@@ -43,7 +51,7 @@ class TokenHistory:
         "Room for `num_slots` requests; the slots in use keep their contents."
         bigger = TokenHistory(num_slots, self.counts.shape[1], self.counts.device, self.recent.shape[1])
         for name in ("counts", "prompt_mask", "num_generated", "recent"):
-            getattr(bigger, name)[:len(self)] = getattr(self, name)
+            getattr(bigger, name)[: len(self)] = getattr(self, name)
         self.__dict__.update(bigger.__dict__)
 
     def reset(self, slot: int, prompt_token_ids: list[int]) -> None:
@@ -58,21 +66,23 @@ class TokenHistory:
         self.num_generated.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
         self.recent[slots] = torch.cat([self.recent[slots, 1:], token_ids.unsqueeze(1)], dim=1)
 
+
 # %% ../../notebooks/07_sampler.ipynb #b1c0a003
-Entries = tuple[torch.Tensor, torch.Tensor]   # (rows in P, token ids): a sparse set of a batch's logits
+Entries = tuple[torch.Tensor, torch.Tensor]  # (rows in P, token ids): a sparse set of a batch's logits
 
 
 @dataclass
 class LogitsProcessors:
     "One batch's per-request logit changes, as tensors on the device: built when the batch changes, applied each step."
+
     history: TokenHistory
-    rows: torch.Tensor                        # [P] int64: the batch rows with a change (the others are left alone)
-    slots: torch.Tensor                       # [P] int64: their requests' slots in `history`
-    allowed: tuple[torch.Tensor, Entries] | None   # the rows with allowed_token_ids, and the allowed entries
-    bias: tuple[Entries, torch.Tensor] | None      # logit_bias (-inf: one-token bad words), and the values
-    min_tokens: tuple[torch.Tensor, Entries] | None   # [P] int32, and the entries that would end the request
-    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # presence, frequency, repetition [P]
-    bad_words: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # per longer bad word: its row in P [W],
+    rows: torch.Tensor  # [P] int64: the batch rows with a change (the others are left alone)
+    slots: torch.Tensor  # [P] int64: their requests' slots in `history`
+    allowed: tuple[torch.Tensor, Entries] | None  # the rows with allowed_token_ids, and the allowed entries
+    bias: tuple[Entries, torch.Tensor] | None  # logit_bias (-inf: one-token bad words), and the values
+    min_tokens: tuple[torch.Tensor, Entries] | None  # [P] int32, and the entries that would end the request
+    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # presence, frequency, repetition [P]
+    bad_words: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # per longer bad word: its row in P [W],
     # its tokens but the last, left-padded with -2 (any) to the history's width [W, R], its last token [W]
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
@@ -94,8 +104,9 @@ class LogitsProcessors:
         if self.bias is not None:
             x.index_put_(*self.bias, accumulate=True)
         if self.penalties is not None:
-            x = apply_penalties(x, self.history.prompt_mask[self.slots], self.history.counts[self.slots],
-                                *self.penalties)
+            x = apply_penalties(
+                x, self.history.prompt_mask[self.slots], self.history.counts[self.slots], *self.penalties
+            )
         out[self.rows] = x
         return out
 
@@ -103,33 +114,54 @@ class LogitsProcessors:
         "After sampling: each row's new token goes into its request's history."
         self.history.update(self.slots, token_ids[self.rows])
 
+
 # %% ../../notebooks/07_sampler.ipynb #b1c0a004
 def _entries(pairs: list[tuple[int, int]], device: torch.device) -> Entries:
     rows, ids = zip(*pairs) if pairs else ((), ())
     return torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(ids, dtype=torch.int64, device=device)
 
 
-def build_logits_processors(rows: list[int], params: list[SamplingParams], slots: list[int], history: TokenHistory,
-                            stop_ids: list[int]) -> LogitsProcessors:
+def build_logits_processors(
+    rows: list[int], params: list[SamplingParams], slots: list[int], history: TokenHistory, stop_ids: list[int]
+) -> LogitsProcessors:
     "The processors of a batch's `rows` (those with any change), their `params`, their requests' `slots` in `history`."
     device, width = history.counts.device, history.recent.shape[1]
     allowed = [(r, t) for r, p in enumerate(params) for t in p.allowed_token_ids or ()]
     bias = [(r, t, b) for r, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
     bias += [(r, w[0], float("-inf")) for r, p in enumerate(params) for w in p.bad_words_token_ids or () if len(w) == 1]
     words = [(r, w) for r, p in enumerate(params) for w in p.bad_words_token_ids or () if len(w) > 1]
-    ends = [(r, t) for r, p in enumerate(params) if p.min_tokens
-            for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(stop_ids))]
+    ends = [
+        (r, t)
+        for r, p in enumerate(params)
+        if p.min_tokens
+        for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(stop_ids))
+    ]
 
     def tensor(values, dtype=torch.float32):
         return torch.tensor(values, dtype=dtype, device=device)
+
     return LogitsProcessors(
-        history, tensor(rows, torch.int64), tensor(slots, torch.int64),
+        history,
+        tensor(rows, torch.int64),
+        tensor(slots, torch.int64),
         allowed=(tensor(sorted({r for r, _ in allowed}), torch.int64), _entries(allowed, device)) if allowed else None,
         bias=(_entries([(r, t) for r, t, _ in bias], device), tensor([b for *_, b in bias])) if bias else None,
-        min_tokens=(tensor([min(p.min_tokens, 2**31 - 1) for p in params], torch.int32),   # (no sequence gets near)
-                    _entries(ends, device)) if ends else None,
-        penalties=tuple(tensor([getattr(p, f"{k}_penalty") for p in params]) for k in ("presence", "frequency",
-                        "repetition")) if any(p.needs_penalties for p in params) else None,
-        bad_words=(tensor([r for r, _ in words], torch.int64),
-                   tensor([[-2] * (width + 1 - len(w)) + w[:-1] for _, w in words], torch.int64),
-                   tensor([w[-1] for _, w in words], torch.int64)) if words else None)
+        min_tokens=(
+            tensor([min(p.min_tokens, 2**31 - 1) for p in params], torch.int32),  # (no sequence gets near)
+            _entries(ends, device),
+        )
+        if ends
+        else None,
+        penalties=tuple(
+            tensor([getattr(p, f"{k}_penalty") for p in params]) for k in ("presence", "frequency", "repetition")
+        )
+        if any(p.needs_penalties for p in params)
+        else None,
+        bad_words=(
+            tensor([r for r, _ in words], torch.int64),
+            tensor([[-2] * (width + 1 - len(w)) + w[:-1] for _, w in words], torch.int64),
+            tensor([w[-1] for _, w in words], torch.int64),
+        )
+        if words
+        else None,
+    )

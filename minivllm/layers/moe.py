@@ -20,11 +20,16 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 def expert_weights(num_experts: int) -> dict[str, tuple[str, tuple[int, str]]]:
     "The loader's mapping for the experts: `experts.3.up_proj.weight` -> (`experts.w13_weight`, (3, 'up_proj'))."
     parts = {"gate_proj": "w13_weight", "up_proj": "w13_weight", "down_proj": "w2_weight"}
-    return {f"experts.{e}.{part}.weight": (f"experts.{param}", (e, part))
-            for e in range(num_experts) for part, param in parts.items()}
+    return {
+        f"experts.{e}.{part}.weight": (f"experts.{param}", (e, part))
+        for e in range(num_experts)
+        for part, param in parts.items()
+    }
+
 
 # %% auto #0
-__all__ = ['route_topk', 'expert_weights', 'FusedMoE']
+__all__ = ["route_topk", "expert_weights", "FusedMoE"]
+
 
 # %% ../../notebooks/08_qwen3.ipynb #94c4ddd9
 class FusedMoE(nn.Module):
@@ -33,7 +38,7 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, tp: TPGroup = SINGLE):
         super().__init__()
         self.tp, self.num_experts = tp, num_experts
-        self.intermediate = divide(intermediate_size, tp.size, "moe_intermediate_size")   # this rank's part
+        self.intermediate = divide(intermediate_size, tp.size, "moe_intermediate_size")  # this rank's part
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate))
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
@@ -57,7 +62,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         experts = moe_experts_reference
-        if x.is_cuda:   # the Triton kernel (06) on GPUs, imported only there: a CPU runs without Triton
+        if x.is_cuda:  # the Triton kernel (06) on GPUs, imported only there: a CPU runs without Triton
             from minivllm.kernels.fused_moe import fused_moe as experts
         return all_reduce(experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids), self.tp)
 

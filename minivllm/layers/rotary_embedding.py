@@ -8,15 +8,15 @@ from torch import nn
 
 from .fusion import fused_on_gpu
 
+ROPE_SCALINGS: dict = {}  # rope_type -> fn(inv_freq, rope_scaling) -> rescaled inv_freq (Llama 3's, below)
 
-ROPE_SCALINGS: dict = {}   # rope_type -> fn(inv_freq, rope_scaling) -> rescaled inv_freq (Llama 3's, below)
 
-
-def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float,
-                       rope_scaling: dict | None = None) -> torch.Tensor:
+def rope_cos_sin_cache(
+    rotary_dim: int, max_position: int, base: float, rope_scaling: dict | None = None
+) -> torch.Tensor:
     "`[max_position, rotary_dim]` float32: `cos(p * theta_i)` for the rotary_dim/2 pairs, then `sin(p * theta_i)`."
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
-    if rope_scaling:   # a context-extension scheme rescales the angles (registered below)
+    if rope_scaling:  # a context-extension scheme rescales the angles (registered below)
         inv_freq = ROPE_SCALINGS[_rope_type(rope_scaling)](inv_freq, rope_scaling)
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
@@ -29,21 +29,33 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 @fused_on_gpu
-def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def rotate_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     "`apply_rotary` to queries and keys at once (one fused kernel on a GPU)."
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
+
 # %% auto #0
-__all__ = ['ROPE_SCALINGS', 'rope_cos_sin_cache', 'apply_rotary', 'rotate_qk', 'RotaryEmbedding', 'rope_parameters', 'get_rope',
-           'llama3_inv_freq']
+__all__ = [
+    "ROPE_SCALINGS",
+    "rope_cos_sin_cache",
+    "apply_rotary",
+    "rotate_qk",
+    "RotaryEmbedding",
+    "rope_parameters",
+    "get_rope",
+    "llama3_inv_freq",
+]
+
 
 # %% ../../notebooks/04_layers.ipynb #0fcbab2f
 class RotaryEmbedding(nn.Module):
     "Neox-style rotary position embedding with a precomputed float32 cos/sin cache."
 
-    def __init__(self, head_size: int, rotary_dim: int, max_position: int, base: float,
-                 rope_scaling: dict | None = None):
+    def __init__(
+        self, head_size: int, rotary_dim: int, max_position: int, base: float, rope_scaling: dict | None = None
+    ):
         super().__init__()
         if rotary_dim % 2 or not 0 < rotary_dim <= head_size:
             raise ValueError(f"rotary_dim must be even and in (0, head_size={head_size}], got {rotary_dim}")
@@ -65,22 +77,25 @@ class RotaryEmbedding(nn.Module):
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(shape[0], -1, self.head_size)
-        rot = apply_rotary(x[..., :self.rotary_dim], cos, sin)
+        rot = apply_rotary(x[..., : self.rotary_dim], cos, sin)
         if self.rotary_dim < self.head_size:
-            rot = torch.cat((rot, x[..., self.rotary_dim:]), dim=-1)
+            rot = torch.cat((rot, x[..., self.rotary_dim :]), dim=-1)
         return rot.reshape(shape)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         "Rotate `q` and `k` (`[num_tokens, heads, head_size]` or `[num_tokens, heads * head_size]`) by `positions`."
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(-2).chunk(2, dim=-1)   # [tokens, 1, rotary_dim / 2] each
-        if self.rotary_dim == self.head_size and q.dim() == k.dim() == 3:   # Qwen3's case: one fused call
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(-2).chunk(2, dim=-1)  # [tokens, 1, rotary_dim / 2] each
+        if self.rotary_dim == self.head_size and q.dim() == k.dim() == 3:  # Qwen3's case: one fused call
             return rotate_qk(q, k, cos, sin)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def extra_repr(self) -> str:
         scaling = f", rope_type={_rope_type(self.rope_scaling)}" if self.rope_scaling else ""
-        return (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, "
-                f"base={self.base}{scaling}")
+        return (
+            f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, "
+            f"base={self.base}{scaling}"
+        )
+
 
 # %% ../../notebooks/04_layers.ipynb #34b4c5b4
 def rope_parameters(config) -> tuple[float, dict | None]:
@@ -100,16 +115,21 @@ def _rope_type(rope_scaling: dict | None) -> str:
     return rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
 
 
-def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
-             rope_scaling: dict | None = None) -> RotaryEmbedding:
+def get_rope(
+    head_size: int, rotary_dim: int, max_position: int, base: float, rope_scaling: dict | None = None
+) -> RotaryEmbedding:
     "A `RotaryEmbedding` for these parameters (a model makes one and its layers share it); unsupported scaling fails."
     kind = _rope_type(rope_scaling)
     if kind != "default" and kind not in ROPE_SCALINGS:
-        raise ValueError(f"rope scaling type {kind!r} is not supported by minivllm (it runs the default rotary "
-                         f"embedding and {', '.join(ROPE_SCALINGS)}); remove rope_scaling from the model config to "
-                         f"run it without context extension")
-    return RotaryEmbedding(int(head_size), int(rotary_dim), int(max_position), float(base),
-                           None if kind == "default" else rope_scaling)
+        raise ValueError(
+            f"rope scaling type {kind!r} is not supported by minivllm (it runs the default rotary "
+            f"embedding and {', '.join(ROPE_SCALINGS)}); remove rope_scaling from the model config to "
+            f"run it without context extension"
+        )
+    return RotaryEmbedding(
+        int(head_size), int(rotary_dim), int(max_position), float(base), None if kind == "default" else rope_scaling
+    )
+
 
 # %% ../../notebooks/04_layers.ipynb #09bc1572
 def llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.Tensor:
@@ -117,7 +137,7 @@ def llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.Tensor:
     factor, low, high = rope_scaling["factor"], rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
     old_context = rope_scaling["original_max_position_embeddings"]
     wavelen = 2 * torch.pi / inv_freq
-    smooth = ((old_context / wavelen - low) / (high - low)).clamp(0, 1)   # 0: slow pair, 1: fast pair
+    smooth = ((old_context / wavelen - low) / (high - low)).clamp(0, 1)  # 0: slow pair, 1: fast pair
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
 

@@ -23,9 +23,20 @@ def apply_top_k(logits: torch.Tensor, k: torch.Tensor, max_top_k: int) -> torch.
     kth_largest.masked_fill_((k <= 0).unsqueeze(1), _NEG_INF)
     return logits.masked_fill_(logits < kth_largest, _NEG_INF)
 
+
 # %% auto #0
-__all__ = ['apply_top_k', 'apply_top_k_top_p', 'apply_min_p', 'random_sample', 'SamplingTensors', 'Sampler', 'LogprobsTensors',
-           'logprob_dict', 'gather_logprobs']
+__all__ = [
+    "apply_top_k",
+    "apply_top_k_top_p",
+    "apply_min_p",
+    "random_sample",
+    "SamplingTensors",
+    "Sampler",
+    "LogprobsTensors",
+    "logprob_dict",
+    "gather_logprobs",
+]
+
 
 # %% ../../notebooks/07_sampler.ipynb #d67c986f
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
@@ -43,6 +54,7 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
         sorted_logits.masked_fill_(drop, _NEG_INF)
     return logits.scatter_(1, order, sorted_logits)
 
+
 # %% ../../notebooks/07_sampler.ipynb #144709c6
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     "Drop the tokens less likely than `min_p` times the row's most likely token (`min_p = 0`: off), in place."
@@ -50,9 +62,11 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     too_unlikely = probs < probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
     return logits.masked_fill_(too_unlikely, _NEG_INF)
 
+
 # %% ../../notebooks/07_sampler.ipynb #7e9ac7c7
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator] | None = None,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
+def random_sample(
+    probs: torch.Tensor, generators: dict[int, torch.Generator] | None = None, generator: torch.Generator | None = None
+) -> torch.Tensor:
     "Per row of `probs` (unnormalized, overwritten): argmax(p / E), E ~ Exp(1) drawn by `generators[i]` or `generator`."
     noise = torch.empty_like(probs)
     if not generators or len(generators) < probs.shape[0]:
@@ -61,21 +75,23 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator] | 
         noise[row].exponential_(generator=generator)
     return probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
+
 # %% ../../notebooks/07_sampler.ipynb #a60cc8e7
 @dataclass
 class SamplingTensors:
     "The sampling parameters of one batch as tensors [B] on the logits' device, and what the batch as a whole needs."
+
     batch_size: int
     temperatures: torch.Tensor | None  # float32; greedy rows hold 1.0. None when the batch is all greedy
-    greedy_mask: torch.Tensor | None   # bool, True where the row takes the argmax; None unless the batch mixes both
-    top_k: torch.Tensor | None         # int64, 0 = off for that row; None when no row uses top-k
-    top_p: torch.Tensor | None         # float32, 1.0 = off; None when no row uses top-p
-    min_p: torch.Tensor | None         # float32, 0.0 = off; None when no row uses min-p
-    max_top_k: int                     # the largest top_k of the batch (0 when none)
-    num_logprobs: list[int | None]     # per row: SamplingParams.logprobs
+    greedy_mask: torch.Tensor | None  # bool, True where the row takes the argmax; None unless the batch mixes both
+    top_k: torch.Tensor | None  # int64, 0 = off for that row; None when no row uses top-k
+    top_p: torch.Tensor | None  # float32, 1.0 = off; None when no row uses top-p
+    min_p: torch.Tensor | None  # float32, 0.0 = off; None when no row uses min-p
+    max_top_k: int  # the largest top_k of the batch (0 when none)
+    num_logprobs: list[int | None]  # per row: SamplingParams.logprobs
     all_greedy: bool
     all_random: bool
-    processors: LogitsProcessors | None = None   # penalties, logit_bias, ... of the rows that use them
+    processors: LogitsProcessors | None = None  # penalties, logit_bias, ... of the rows that use them
 
     @property
     def max_num_logprobs(self) -> int | None:
@@ -84,7 +100,7 @@ class SamplingTensors:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> SamplingTensors:
-        greedy = [sp.greedy for sp in params]   # greedy rows: neutral values in every other list
+        greedy = [sp.greedy for sp in params]  # greedy rows: neutral values in every other list
         temps = [1.0 if g else sp.temperature for sp, g in zip(params, greedy)]
         top_k = [sp.top_k if sp.top_k > 0 and not g else 0 for sp, g in zip(params, greedy)]
         top_p = [1.0 if g else sp.top_p for sp, g in zip(params, greedy)]
@@ -92,38 +108,53 @@ class SamplingTensors:
         num_logprobs = [sp.logprobs for sp in params]
         all_greedy, all_random, max_top_k = all(greedy), not any(greedy), max(top_k)
         device = torch.device(device)
-        pin = device.type == "cuda"   # through pinned memory: the copy does not block the host
+        pin = device.type == "cuda"  # through pinned memory: the copy does not block the host
 
         def tensor(values, dtype, needed=True):
             if not needed or all_greedy:
                 return None
             return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
-        return cls(batch_size=len(params),
-                   temperatures=tensor(temps, torch.float32),
-                   greedy_mask=tensor(greedy, torch.bool, not all_random),
-                   top_k=tensor(top_k, torch.int64, max_top_k > 0),
-                   top_p=tensor(top_p, torch.float32, any(p < 1.0 for p in top_p)),
-                   min_p=tensor(min_p, torch.float32, any(m > 0.0 for m in min_p)),
-                   max_top_k=max_top_k, num_logprobs=num_logprobs, all_greedy=all_greedy, all_random=all_random)
+
+        return cls(
+            batch_size=len(params),
+            temperatures=tensor(temps, torch.float32),
+            greedy_mask=tensor(greedy, torch.bool, not all_random),
+            top_k=tensor(top_k, torch.int64, max_top_k > 0),
+            top_p=tensor(top_p, torch.float32, any(p < 1.0 for p in top_p)),
+            min_p=tensor(min_p, torch.float32, any(m > 0.0 for m in min_p)),
+            max_top_k=max_top_k,
+            num_logprobs=num_logprobs,
+            all_greedy=all_greedy,
+            all_random=all_random,
+        )
+
 
 # %% ../../notebooks/07_sampler.ipynb #3c877908
 class Sampler(nn.Module):
     "Logits [B, V] -> one token id per row [B], each row sampled with its own request's parameters."
 
-    def forward(self, logits: torch.Tensor, sampling: SamplingTensors,
-                generators: dict[int, torch.Generator] | None = None,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        logits: torch.Tensor,
+        sampling: SamplingTensors,
+        generators: dict[int, torch.Generator] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         "`generators`: row -> the generator of a request with a seed; `generator`: the other rows' (see random_sample)."
-        if sampling.processors is not None:   # they come first: a penalty can change a greedy choice too
+        if sampling.processors is not None:  # they come first: a penalty can change a greedy choice too
             logits = sampling.processors(logits)
         token_ids = self.sample(logits, sampling, generators, generator)
         if sampling.processors is not None:
             sampling.processors.book(token_ids)
         return token_ids
 
-    def sample(self, logits: torch.Tensor, sampling: SamplingTensors,
-               generators: dict[int, torch.Generator] | None = None,
-               generator: torch.Generator | None = None) -> torch.Tensor:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        sampling: SamplingTensors,
+        generators: dict[int, torch.Generator] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         if sampling.all_greedy:
             return logits.argmax(dim=-1)
         greedy_ids = None if sampling.all_random else logits.argmax(dim=-1)
@@ -137,13 +168,15 @@ class Sampler(nn.Module):
         token_ids = random_sample(logits.softmax(dim=-1), generators, generator)
         return token_ids if greedy_ids is None else torch.where(sampling.greedy_mask, greedy_ids, token_ids)
 
+
 # %% ../../notebooks/07_sampler.ipynb #293c03e0
 @dataclass
 class LogprobsTensors:
     "Per row: the sampled token, then the `n` most likely tokens (most likely first): raw log-probabilities, ranks."
+
     token_ids: torch.Tensor  # [B, 1 + n] int64
-    logprobs: torch.Tensor   # [B, 1 + n] float32
-    ranks: torch.Tensor      # [B, 1 + n] int64: 1 for the most likely token of the vocabulary
+    logprobs: torch.Tensor  # [B, 1 + n] float32
+    ranks: torch.Tensor  # [B, 1 + n] int64: 1 for the most likely token of the vocabulary
 
     def to_host(self) -> LogprobsTensors:
         "Copies on their way to (pinned) host memory, queued behind the work that computes them."
@@ -160,7 +193,7 @@ class LogprobsTensors:
 def logprob_dict(row: tuple[list[int], list[float], list[int]], n: int) -> dict[int, tuple[float, int]]:
     "One row's first token (the sampled one) and its top `n`: {token_id: (logprob, rank)}."
     ids, logprobs, ranks = row
-    return dict(zip(ids[:1 + n], zip(logprobs[:1 + n], ranks[:1 + n])))
+    return dict(zip(ids[: 1 + n], zip(logprobs[: 1 + n], ranks[: 1 + n])))
 
 
 def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
@@ -168,7 +201,10 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs:
     logprobs = logits.float().log_softmax(dim=-1)
     top, sampled = logprobs.topk(min(num_logprobs, logprobs.shape[-1]), dim=-1), token_ids.long().unsqueeze(1)
     sampled_logprobs = logprobs.gather(1, sampled)
-    rank = (logprobs > sampled_logprobs).sum(dim=-1, keepdim=True) + 1   # 1 + how many tokens are more likely
+    rank = (logprobs > sampled_logprobs).sum(dim=-1, keepdim=True) + 1  # 1 + how many tokens are more likely
     top_ranks = torch.arange(1, top.indices.shape[1] + 1, device=logits.device).expand_as(top.indices)
-    return LogprobsTensors(torch.cat([sampled, top.indices], dim=1), torch.cat([sampled_logprobs, top.values], dim=1),
-                           torch.cat([rank, top_ranks], dim=1))
+    return LogprobsTensors(
+        torch.cat([sampled, top.indices], dim=1),
+        torch.cat([sampled_logprobs, top.values], dim=1),
+        torch.cat([rank, top_ranks], dim=1),
+    )

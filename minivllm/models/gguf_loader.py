@@ -12,14 +12,19 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-GGUF_ARCHS = {"llama": "llama", "qwen3": "qwen3"}   # llama.cpp's `general.architecture` -> the registry's model_type
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1")   # the tensor types we dequantize
-GGUF_CONFIG = {   # "<architecture>.<key>" in the metadata -> the config's field (the first six are required)
-    "block_count": "num_hidden_layers", "context_length": "max_position_embeddings",
-    "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
-    "attention.head_count": "num_attention_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-    "attention.head_count_kv": "num_key_value_heads", "attention.key_length": "head_dim",
-    "rope.freq_base": "rope_theta"}
+GGUF_ARCHS = {"llama": "llama", "qwen3": "qwen3"}  # llama.cpp's `general.architecture` -> the registry's model_type
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1")  # the tensor types we dequantize
+GGUF_CONFIG = {  # "<architecture>.<key>" in the metadata -> the config's field (the first six are required)
+    "block_count": "num_hidden_layers",
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "rope.freq_base": "rope_theta",
+}
 
 
 def is_gguf(path) -> bool:
@@ -28,36 +33,56 @@ def is_gguf(path) -> bool:
 
 
 class GGUFTensor(NamedTuple):
-    name: str      # llama.cpp's name
-    qtype: str     # F32, Q4_1, ...
-    shape: tuple   # PyTorch's order (rows first)
-    offset: int    # of its bytes, in the file
+    name: str  # llama.cpp's name
+    qtype: str  # F32, Q4_1, ...
+    shape: tuple  # PyTorch's order (rows first)
+    offset: int  # of its bytes, in the file
     nbytes: int
 
 
 @functools.lru_cache(maxsize=2)
 def _read_header(path: str, version: tuple) -> tuple[dict, tuple[GGUFTensor, ...]]:
     from gguf import GGUFReader, GGUFValueType
+
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError, KeyError, IndexError) as e:
         raise ValueError(f"cannot read {path!r} as a GGUF file ({type(e).__name__}: {e})") from None
     metadata = {key: f.contents() for key, f in reader.fields.items() if f.types[:1] != [GGUFValueType.ARRAY]}
-    tensors = tuple(GGUFTensor(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
-                               int(t.data_offset), int(t.n_bytes)) for t in reader.tensors)
-    return metadata, tensors   # (the reader goes: its objects for every token and merge are many)
+    tensors = tuple(
+        GGUFTensor(
+            t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)), int(t.data_offset), int(t.n_bytes)
+        )
+        for t in reader.tensors
+    )
+    return metadata, tensors  # (the reader goes: its objects for every token and merge are many)
 
 
 def gguf_header(path) -> tuple[dict, tuple[GGUFTensor, ...]]:
     "The metadata (its scalars and strings, not its arrays) and the tensor table of the GGUF file `path`."
     if not os.path.isfile(path):
         raise ValueError(f"model path {os.fspath(path)!r} is not a file")
-    stat = os.stat(path)   # (read once per version of the file: the config and the weights both need it)
+    stat = os.stat(path)  # (read once per version of the file: the config and the weights both need it)
     return _read_header(os.path.abspath(path), (stat.st_size, stat.st_mtime_ns))
 
+
 # %% auto #0
-__all__ = ['GGUF_ARCHS', 'GGUF_TYPES', 'GGUF_CONFIG', 'GGUF_NAMES', 'is_gguf', 'GGUFTensor', 'gguf_header', 'gguf_config',
-           'hf_name', 'unpermute_rows', 'dequantized', 'gguf_weights', 'gguf_tokenizer']
+__all__ = [
+    "GGUF_ARCHS",
+    "GGUF_TYPES",
+    "GGUF_CONFIG",
+    "GGUF_NAMES",
+    "is_gguf",
+    "GGUFTensor",
+    "gguf_header",
+    "gguf_config",
+    "hf_name",
+    "unpermute_rows",
+    "dequantized",
+    "gguf_weights",
+    "gguf_tokenizer",
+]
+
 
 # %% ../../notebooks/08_qwen3.ipynb #d718576a
 def gguf_config(path) -> PretrainedConfig:
@@ -65,12 +90,14 @@ def gguf_config(path) -> PretrainedConfig:
     meta, tensors = gguf_header(path)
     arch, names, where = meta.get("general.architecture"), {t.name: t for t in tensors}, repr(os.fspath(path))
     if arch not in GGUF_ARCHS:
-        raise ValueError(f"{where} holds a GGUF model of architecture {arch!r}; minivllm reads "
-                         f"{', '.join(GGUF_ARCHS)} GGUF files")
+        raise ValueError(
+            f"{where} holds a GGUF model of architecture {arch!r}; minivllm reads {', '.join(GGUF_ARCHS)} GGUF files"
+        )
     unsupported = sorted({t.qtype for t in tensors} - set(GGUF_TYPES))
     if unsupported:
-        raise ValueError(f"{where} holds tensors of type {', '.join(unsupported)}; minivllm dequantizes "
-                         f"{', '.join(GGUF_TYPES)}")
+        raise ValueError(
+            f"{where} holds tensors of type {', '.join(unsupported)}; minivllm dequantizes {', '.join(GGUF_TYPES)}"
+        )
     if "rope_freqs.weight" in names or meta.get(f"{arch}.rope.scaling.type", "none") != "none":
         raise ValueError(f"{where}: a scaled rotary embedding (rope_freqs, rope.scaling) is not read from GGUF files")
     hf = {ours: meta[f"{arch}.{key}"] for key, ours in GGUF_CONFIG.items() if f"{arch}.{key}" in meta}
@@ -82,18 +109,38 @@ def gguf_config(path) -> PretrainedConfig:
     if meta.get(f"{arch}.rope.dimension_count", hf["head_dim"]) != hf["head_dim"]:
         raise ValueError(f"{where}: a rotary embedding over part of each head is not supported")
     hf.update(vocab_size=names["token_embd.weight"].shape[0], tie_word_embeddings="output.weight" not in names)
-    hf.update({f"{t}_token_id": meta[f"tokenizer.ggml.{t}_token_id"] for t in ("bos", "eos")
-               if f"tokenizer.ggml.{t}_token_id" in meta})
-    from transformers import AutoConfig   # (imported when needed: it costs seconds)
+    hf.update(
+        {
+            f"{t}_token_id": meta[f"tokenizer.ggml.{t}_token_id"]
+            for t in ("bos", "eos")
+            if f"tokenizer.ggml.{t}_token_id" in meta
+        }
+    )
+    from transformers import AutoConfig  # (imported when needed: it costs seconds)
+
     return AutoConfig.for_model(GGUF_ARCHS[arch], **hf)
 
+
 # %% ../../notebooks/08_qwen3.ipynb #4969abff
-GGUF_NAMES = {   # each part of a llama.cpp tensor name -> Hugging Face's (layer numbers stay)
-    "token_embd": "model.embed_tokens", "blk": "model.layers", "output_norm": "model.norm", "output": "lm_head",
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "weight": "weight", "bias": "bias"}
+GGUF_NAMES = {  # each part of a llama.cpp tensor name -> Hugging Face's (layer numbers stay)
+    "token_embd": "model.embed_tokens",
+    "blk": "model.layers",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "weight": "weight",
+    "bias": "bias",
+}
 
 
 def hf_name(name: str) -> str:
@@ -114,11 +161,12 @@ def dequantized(raw: np.ndarray, qtype: str, shape: tuple, dtype: torch.dtype, c
     "The tensor of `shape` whose bytes are `raw`, in `dtype`, dequantized `chunk` weights at a time."
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
+
     kind, out = GGMLQuantizationType[qtype], torch.empty(shape, dtype=dtype)
     rows = out.view(-1, shape[-1])
     raw, step = raw.reshape(rows.shape[0], -1), max(1, chunk // shape[-1])
     for start in range(0, rows.shape[0], step):
-        rows[start:start + step] = torch.from_numpy(dequantize(raw[start:start + step], kind))
+        rows[start : start + step] = torch.from_numpy(dequantize(raw[start : start + step], kind))
     return out
 
 
@@ -128,8 +176,8 @@ def gguf_weights(path, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str
     arch = meta.get("general.architecture")
     heads = meta.get(f"{arch}.attention.head_count")
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
-    permuted = {"attn_q": heads, "attn_k": kv_heads} if arch == "llama" else {}   # (llama.cpp's Llama rows only)
-    with open(path, "rb") as f:   # (read, not mapped: the file's pages don't stay in this process's memory)
+    permuted = {"attn_q": heads, "attn_k": kv_heads} if arch == "llama" else {}  # (llama.cpp's Llama rows only)
+    with open(path, "rb") as f:  # (read, not mapped: the file's pages don't stay in this process's memory)
         for t in tensors:
             if t.qtype not in GGUF_TYPES:
                 raise ValueError(f"tensor {t.name} is {t.qtype}; minivllm dequantizes {', '.join(GGUF_TYPES)}")
@@ -138,20 +186,24 @@ def gguf_weights(path, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str
             w = dequantized(np.fromfile(f, np.uint8, t.nbytes), t.qtype, t.shape, dtype)
             yield name, unpermute_rows(w, permuted[part]) if part in permuted else w
 
+
 # %% ../../notebooks/08_qwen3.ipynb #fc4c143a
 def gguf_tokenizer(path):
     "The tokenizer and chat template in the GGUF file `path`, through `transformers`' conversion of its vocabulary."
     meta, _ = gguf_header(path)
     if "tokenizer.ggml.model" not in meta:
-        raise ValueError(f"{os.fspath(path)!r} holds no tokenizer: pass tokenizer= a folder (or Hub id) with the "
-                         "model's tokenizer files, or skip_tokenizer_init=True and give prompts as token ids")
-    from transformers import AutoTokenizer   # (imported when needed: it costs seconds)
+        raise ValueError(
+            f"{os.fspath(path)!r} holds no tokenizer: pass tokenizer= a folder (or Hub id) with the "
+            "model's tokenizer files, or skip_tokenizer_init=True and give prompts as token ids"
+        )
+    from transformers import AutoTokenizer  # (imported when needed: it costs seconds)
+
     folder, name = os.path.split(os.path.abspath(path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-    except Exception as e:   # (the conversion raises what its parts raise)
+    except Exception as e:  # (the conversion raises what its parts raise)
         raise ValueError(f"cannot make a tokenizer of {os.fspath(path)!r} ({type(e).__name__}: {e})") from None
-    if (eos := meta.get("tokenizer.ggml.eos_token_id")) is not None:   # (transformers' Llama conversion takes the
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)       # BOS token for the EOS one)
-    tokenizer.clean_up_tokenization_spaces = False   # (what a byte-level BPE decodes with anyway, without a warning)
+    if (eos := meta.get("tokenizer.ggml.eos_token_id")) is not None:  # (transformers' Llama conversion takes the
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)  # BOS token for the EOS one)
+    tokenizer.clean_up_tokenization_spaces = False  # (what a byte-level BPE decodes with anyway, without a warning)
     return tokenizer

@@ -20,18 +20,24 @@ def resolve_model(model: str) -> str:
         return model
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
     try:
         return snapshot_download(model, allow_patterns=HUB_FILES)
     except RepositoryNotFoundError:
         raise ValueError(f"{model!r} is neither a folder nor a model on the Hugging Face Hub") from None
     except LocalEntryNotFoundError:
-        raise ValueError(f"{model!r} is not a folder, and not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
-                         f"and the Hub is out of reach{' (HF_HUB_OFFLINE is set)' if constants.HF_HUB_OFFLINE else ''}"
-                         f": run `hf download {model}` where the Hub can be reached (it fills the cache), or pass "
-                         "the checkpoint's folder") from None
+        raise ValueError(
+            f"{model!r} is not a folder, and not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
+            f"and the Hub is out of reach{' (HF_HUB_OFFLINE is set)' if constants.HF_HUB_OFFLINE else ''}"
+            f": run `hf download {model}` where the Hub can be reached (it fills the cache), or pass "
+            "the checkpoint's folder"
+        ) from None
     except (HfHubHTTPError, OSError) as e:
-        raise ValueError(f"could not fetch {model!r} from the Hugging Face Hub ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        raise ValueError(
+            f"could not fetch {model!r} from the Hugging Face Hub ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
+
 
 # %% auto #0
-__all__ = ['HUB_FILES', 'resolve_model']
+__all__ = ["HUB_FILES", "resolve_model"]

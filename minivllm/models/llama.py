@@ -13,7 +13,9 @@ def llama_traits(config) -> DecoderTraits:
 
 class LlamaForCausalLM(Qwen3ForCausalLM):
     "Llama 3.x (`model_type` 'llama'): the Qwen3 decoder with Llama's traits; its rotary scaling is notebook 04's."
+
     traits = staticmethod(llama_traits)
 
+
 # %% auto #0
-__all__ = ['llama_traits', 'LlamaForCausalLM']
+__all__ = ["llama_traits", "LlamaForCausalLM"]

@@ -28,14 +28,24 @@ def safetensors_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         except SafetensorError as e:
             raise ValueError(f"cannot read {file.name}: it is not a complete safetensors file ({e})") from e
 
+
 # %% auto #0
-__all__ = ['safetensors_weights', 'packed_name', 'checkpoint_names', 'default_weight_loader', 'load_weights', 'load_model',
-           'dummy_checkpoint', 'dummy_weights_']
+__all__ = [
+    "safetensors_weights",
+    "packed_name",
+    "checkpoint_names",
+    "default_weight_loader",
+    "load_weights",
+    "load_model",
+    "dummy_checkpoint",
+    "dummy_weights_",
+]
+
 
 # %% ../../notebooks/08_qwen3.ipynb #d2b78a29
 def packed_name(name: str, mapping: dict[str, tuple[str, str | int]]) -> tuple[str, str | int | None]:
     "`(parameter name, shard id)` for a checkpoint tensor name: `...q_proj.weight` -> `(...qkv_proj.weight, 'q')`."
-    dotted = f"{name}."   # (so a part may also end the name: `experts.3.gate_proj.weight`, section 5)
+    dotted = f"{name}."  # (so a part may also end the name: `experts.3.gate_proj.weight`, section 5)
     for part, (packed, shard_id) in mapping.items():
         if f".{part}." in dotted:
             return dotted.replace(f".{part}.", f".{packed}.", 1)[:-1], shard_id
@@ -45,9 +55,13 @@ def packed_name(name: str, mapping: dict[str, tuple[str, str | int]]) -> tuple[s
 def checkpoint_names(param_name: str, mapping: dict[str, tuple[str, str | int]]) -> dict[str | int | None, str]:
     "The checkpoint tensor(s) a parameter is loaded from, by shard id (`{None: name}` for an unpacked parameter)."
     dotted = f"{param_name}."
-    names = {shard_id: dotted.replace(f".{packed}.", f".{part}.", 1)[:-1]
-             for part, (packed, shard_id) in mapping.items() if f".{packed}." in dotted}
+    names = {
+        shard_id: dotted.replace(f".{packed}.", f".{part}.", 1)[:-1]
+        for part, (packed, shard_id) in mapping.items()
+        if f".{packed}." in dotted
+    }
     return names or {None: param_name}
+
 
 # %% ../../notebooks/08_qwen3.ipynb #0a323016
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
@@ -58,8 +72,9 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
     param.data.copy_(loaded_weight)
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                 mapping: dict[str, tuple[str, str | int]]) -> nn.Module:
+def load_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], mapping: dict[str, tuple[str, str | int]]
+) -> nn.Module:
     "Load checkpoint tensors through each parameter's `weight_loader` (`mapping`: the packed ones); all must fit."
     params = dict(model.named_parameters())
     tied_aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - params.keys()
@@ -71,8 +86,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         param_name, shard_id = packed_name(name, mapping)
         if param_name not in params:
             mapped = f" (packed into {param_name})" if param_name != name else ""
-            raise ValueError(f"unexpected tensor {name} in the checkpoint: {type(model).__name__} has no such "
-                             f"parameter{mapped}")
+            raise ValueError(
+                f"unexpected tensor {name} in the checkpoint: {type(model).__name__} has no such parameter{mapped}"
+            )
         if (param_name, shard_id) in loaded:
             raise ValueError(f"tensor {name} appears twice in the checkpoint")
         param = params[param_name]
@@ -95,12 +111,17 @@ def load_model(model: nn.Module, path: str | Path, mapping: dict[str, tuple[str,
         return load_weights(model, gguf_weights(path, next(model.parameters()).dtype), mapping)
     return load_weights(model, safetensors_weights(path), mapping)
 
+
 # %% ../../notebooks/08_qwen3.ipynb #393453d5
-def dummy_checkpoint(model: nn.Module, mapping: dict[str, tuple[str, str | int]], seed: int = 0,
-                     std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+def dummy_checkpoint(
+    model: nn.Module, mapping: dict[str, tuple[str, str | int]], seed: int = 0, std: float = 0.02
+) -> Iterator[tuple[str, torch.Tensor]]:
     "The `(name, tensor)`s of a random checkpoint for `model`: whole tensors, each seeded by its name, on its device."
-    owner = {f"{prefix}.{name}".lstrip("."): module for prefix, module in model.named_modules()
-             for name, _ in module.named_parameters(recurse=False)}
+    owner = {
+        f"{prefix}.{name}".lstrip("."): module
+        for prefix, module in model.named_modules()
+        for name, _ in module.named_parameters(recurse=False)
+    }
     for param_name, param in model.named_parameters():
         shape_of = getattr(owner[param_name], "checkpoint_shape", lambda p, shard_id=None: tuple(p.shape))
         for shard_id, name in checkpoint_names(param_name, mapping).items():
@@ -109,14 +130,15 @@ def dummy_checkpoint(model: nn.Module, mapping: dict[str, tuple[str, str | int]]
                 tensor.fill_(1.0)
             elif name.endswith(".bias"):
                 tensor.zero_()
-            else:   # crc32, not hash(): the same seed in every process
+            else:  # crc32, not hash(): the same seed in every process
                 gen = torch.Generator(param.device).manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
                 tensor.normal_(0.0, std, generator=gen)
             yield name, tensor
 
 
-def dummy_weights_(model: nn.Module, mapping: dict[str, tuple[str, str | int]], seed: int = 0,
-                   std: float = 0.02) -> nn.Module:
+def dummy_weights_(
+    model: nn.Module, mapping: dict[str, tuple[str, str | int]], seed: int = 0, std: float = 0.02
+) -> nn.Module:
     "vLLM's `load_format='dummy'`: `model` loaded from `dummy_checkpoint` (made on its device, nothing read)."
     with torch.no_grad():
         return load_weights(model, dummy_checkpoint(model, mapping, seed, std), mapping)

@@ -13,7 +13,9 @@ def qwen2_traits(config) -> DecoderTraits:
 
 class Qwen2ForCausalLM(Qwen3ForCausalLM):
     "Qwen2 / Qwen2.5 (`model_type` 'qwen2'): the Qwen3 decoder with Qwen2's traits."
+
     traits = staticmethod(qwen2_traits)
 
+
 # %% auto #0
-__all__ = ['qwen2_traits', 'Qwen2ForCausalLM']
+__all__ = ["qwen2_traits", "Qwen2ForCausalLM"]

@@ -18,35 +18,47 @@ from ..layers.layernorm import RMSNorm
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
 
-if TYPE_CHECKING:   # (only named in type hints: importing it for real costs seconds)
+if TYPE_CHECKING:  # (only named in type hints: importing it for real costs seconds)
     from transformers import PretrainedConfig, Qwen3Config
 
 
 class Qwen3Attention(nn.Module):
     "Qwen3 self-attention: packed QKV, RMSNorm on every query/key head, rotary embedding, paged attention, o_proj."
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_emb: RotaryEmbedding,
-                 rms_norm_eps: float = 1e-6, qkv_bias: bool = False, *, o_bias: bool | None = None,
-                 qk_norm: bool = True, tp: TPGroup = SINGLE):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary_emb: RotaryEmbedding,
+        rms_norm_eps: float = 1e-6,
+        qkv_bias: bool = False,
+        *,
+        o_bias: bool | None = None,
+        qk_norm: bool = True,
+        tp: TPGroup = SINGLE,
+    ):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, bias=qkv_bias, tp=tp)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # on this rank
         self.head_dim, self.q_size, self.kv_size = head_dim, self.num_heads * head_dim, self.num_kv_heads * head_dim
-        self.qk_norm = qk_norm   # Qwen3's addition to Llama's attention (the families of section 5 go without)
+        self.qk_norm = qk_norm  # Qwen3's addition to Llama's attention (the families of section 5 go without)
         if qk_norm:
             self.q_norm, self.k_norm = RMSNorm(head_dim, eps=rms_norm_eps), RMSNorm(head_dim, eps=rms_norm_eps)
-        self.rotary_emb = rotary_emb   # the model's one table of angles, shared by its layers
-        self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads)
+        self.rotary_emb = rotary_emb  # the model's one table of angles, shared by its layers
+        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads)
         o_bias = qkv_bias if o_bias is None else o_bias
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias, tp=tp)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                meta: AttentionMetadata | None = None) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata | None = None
+    ) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(hidden_states), meta)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
         "Everything after the QKV product (which the decoder layer may run itself, with its norm: below)."
-        if (q := self._one_kernel(qkv, positions, meta)) is not None:   # a GPU step: norms, rotation, KV write
+        if (q := self._one_kernel(qkv, positions, meta)) is not None:  # a GPU step: norms, rotation, KV write
             return self.o_proj(self.attn(q, None, None, meta).flatten(1, -1))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
@@ -55,22 +67,51 @@ class Qwen3Attention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta).flatten(1, -1))
 
-    def _one_kernel(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None
-                    ) -> torch.Tensor | None:
+    def _one_kernel(
+        self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None
+    ) -> torch.Tensor | None:
         "The queries, with the K/V written, by notebook 06's kernel: on a GPU, into a cache of the model's dtype."
         cache, dim = self.attn.k_cache, self.head_dim
-        if not qkv.is_cuda or cache is None or cache.dtype != qkv.dtype or self.rotary_emb.rotary_dim != dim \
-                or dim & (dim - 1):
+        if (
+            not qkv.is_cuda
+            or cache is None
+            or cache.dtype != qkv.dtype
+            or self.rotary_emb.rotary_dim != dim
+            or dim & (dim - 1)
+        ):
             return None
         from minivllm.kernels.qk_norm_rope import qk_norm_rope_store
+
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-        return qk_norm_rope_store(qkv, self.num_heads, self.num_kv_heads, dim, *norms, self.rotary_emb.cos_sin_cache,
-                                  positions, meta.slot_mapping, cache, self.attn.v_cache)
+        return qk_norm_rope_store(
+            qkv,
+            self.num_heads,
+            self.num_kv_heads,
+            dim,
+            *norms,
+            self.rotary_emb.cos_sin_cache,
+            positions,
+            meta.slot_mapping,
+            cache,
+            self.attn.v_cache,
+        )
 
 
 # %% auto #0
-__all__ = ['QWEN3_PACKED_WEIGHTS', 'Qwen3Attention', 'Qwen3MLP', 'DecoderTraits', 'qwen3_traits', 'dense_mlp',
-           'Qwen3DecoderLayer', 'head_dim', 'check_config', 'Qwen3Model', 'Qwen3ForCausalLM']
+__all__ = [
+    "QWEN3_PACKED_WEIGHTS",
+    "Qwen3Attention",
+    "Qwen3MLP",
+    "DecoderTraits",
+    "qwen3_traits",
+    "dense_mlp",
+    "Qwen3DecoderLayer",
+    "head_dim",
+    "check_config",
+    "Qwen3Model",
+    "Qwen3ForCausalLM",
+]
+
 
 # %% ../../notebooks/08_qwen3.ipynb #a3381abe
 class Qwen3MLP(nn.Module):
@@ -84,23 +125,26 @@ class Qwen3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if x.is_cuda and x.shape[0] == 1 and gate_up.bias is None:   # one token on a GPU: product and activation
-            from minivllm.kernels.gemv import gemv                    # in one kernel (notebook 06)
+        if x.is_cuda and x.shape[0] == 1 and gate_up.bias is None:  # one token on a GPU: product and activation
+            from minivllm.kernels.gemv import gemv  # in one kernel (notebook 06)
+
             return self.down_proj(gemv(x, gate_up.weight, fuse_silu=True))
         return self.down_proj(self.act_fn(gate_up(x)))
+
 
 # %% ../../notebooks/08_qwen3.ipynb #44c5901a
 @dataclass(frozen=True)
 class DecoderTraits:
     "Where the families that share this decoder differ (section 5); Qwen3's are `qwen3_traits(config)`."
-    qk_norm: bool = True     # an RMSNorm on every query and key head, before the rotation
-    qkv_bias: bool = False   # biases on the q, k and v projections
-    o_bias: bool = False     # a bias on o_proj
-    mlp: Callable[[PretrainedConfig, int, TPGroup], nn.Module] | None = None   # layer i's MLP; None: `dense_mlp`
+
+    qk_norm: bool = True  # an RMSNorm on every query and key head, before the rotation
+    qkv_bias: bool = False  # biases on the q, k and v projections
+    o_bias: bool = False  # a bias on o_proj
+    mlp: Callable[[PretrainedConfig, int, TPGroup], nn.Module] | None = None  # layer i's MLP; None: `dense_mlp`
 
 
 def qwen3_traits(config: Qwen3Config) -> DecoderTraits:
-    bias = getattr(config, "attention_bias", False)   # (on q, k, v and o alike; False in every released Qwen3)
+    bias = getattr(config, "attention_bias", False)  # (on q, k, v and o alike; False in every released Qwen3)
     return DecoderTraits(qk_norm=True, qkv_bias=bias, o_bias=bias)
 
 
@@ -111,19 +155,39 @@ def dense_mlp(config: PretrainedConfig, layer_idx: int, tp: TPGroup) -> Qwen3MLP
 class Qwen3DecoderLayer(nn.Module):
     "One Qwen3 block: attention and MLP, each behind an RMSNorm that also performs the pending residual add."
 
-    def __init__(self, config: Qwen3Config, rotary_emb: RotaryEmbedding, tp: TPGroup = SINGLE,
-                 traits: DecoderTraits | None = None, layer_idx: int = 0):
+    def __init__(
+        self,
+        config: Qwen3Config,
+        rotary_emb: RotaryEmbedding,
+        tp: TPGroup = SINGLE,
+        traits: DecoderTraits | None = None,
+        layer_idx: int = 0,
+    ):
         super().__init__()
         traits = traits or qwen3_traits(config)
         self.self_attn = Qwen3Attention(
-            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim(config), rotary_emb,
-            config.rms_norm_eps, traits.qkv_bias, o_bias=traits.o_bias, qk_norm=traits.qk_norm, tp=tp)
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            head_dim(config),
+            rotary_emb,
+            config.rms_norm_eps,
+            traits.qkv_bias,
+            o_bias=traits.o_bias,
+            qk_norm=traits.qk_norm,
+            tp=tp,
+        )
         self.mlp = (traits.mlp or dense_mlp)(config, layer_idx, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         "Returns `(mlp_output, residual)`: the layer's output is their sum, added by the next norm."
         if self.norms_in_products(hidden_states):
             return self._one_row(positions, hidden_states, residual, meta)
@@ -138,13 +202,20 @@ class Qwen3DecoderLayer(nn.Module):
     def norms_in_products(self, x: torch.Tensor) -> bool:
         "One token on a GPU, no biases, a dense MLP: each norm can run inside the product after it (notebook 06)."
         attn, mlp = self.self_attn, self.mlp
-        return x.is_cuda and x.shape[0] == 1 and attn.qkv_proj.bias is None and isinstance(mlp, Qwen3MLP) \
+        return (
+            x.is_cuda
+            and x.shape[0] == 1
+            and attn.qkv_proj.bias is None
+            and isinstance(mlp, Qwen3MLP)
             and mlp.gate_up_proj.bias is None
+        )
 
-    def _one_row(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                 meta: AttentionMetadata | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _one_row(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         "`forward` for one token, each norm run by the product after it: two kernels a layer fewer."
         from minivllm.kernels.gemv import norm_gemv
+
         attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         qkv, residual = norm_gemv(x, residual, norm1.weight, norm1.eps, attn.qkv_proj.weight)
         hidden_states = attn.attend(positions, qkv, meta)
@@ -155,17 +226,21 @@ class Qwen3DecoderLayer(nn.Module):
 def head_dim(config: Qwen3Config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
+
 # %% ../../notebooks/08_qwen3.ipynb #5f073c53
 def check_config(config: Qwen3Config) -> None:
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types) or (
-            not layer_types and getattr(config, "use_sliding_window", False)):
+        not layer_types and getattr(config, "use_sliding_window", False)
+    ):
         raise ValueError("sliding-window attention (use_sliding_window / layer_types) is not supported by minivllm")
     if config.hidden_act != "silu":
         raise ValueError(f"{config.model_type} with hidden_act {config.hidden_act!r} is not supported (only 'silu')")
     if config.num_attention_heads % config.num_key_value_heads:
-        raise ValueError(f"num_attention_heads ({config.num_attention_heads}) must be a multiple of "
-                         f"num_key_value_heads ({config.num_key_value_heads})")
+        raise ValueError(
+            f"num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({config.num_key_value_heads})"
+        )
 
 
 class Qwen3Model(nn.Module):
@@ -176,27 +251,34 @@ class Qwen3Model(nn.Module):
         theta, scaling = rope_parameters(config)
         rotary_emb = get_rope(head_dim(config), head_dim(config), config.max_position_embeddings, theta, scaling)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary_emb, tp, traits, i)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(config, rotary_emb, tp, traits, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None
+    ) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, meta)
-        return self.norm(hidden_states, residual)[0]   # (the norm's second output: the sum before it)
+        return self.norm(hidden_states, residual)[0]  # (the norm's second output: the sum before it)
+
 
 # %% ../../notebooks/08_qwen3.ipynb #39f46b8e
-QWEN3_PACKED_WEIGHTS = {   # checkpoint name part -> (our packed parameter, its shard); Qwen2 and Llama's names too
-    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+QWEN3_PACKED_WEIGHTS = {  # checkpoint name part -> (our packed parameter, its shard); Qwen2 and Llama's names too
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 class Qwen3ForCausalLM(nn.Module):
     "Qwen3 for the engine: flat `[num_tokens]` inputs, logits only for the rows asked for, packed and sharded weights."
 
-    traits = staticmethod(qwen3_traits)   # a family that shares this decoder gives its own (section 5)
+    traits = staticmethod(qwen3_traits)  # a family that shares this decoder gives its own (section 5)
 
     def __init__(self, config: Qwen3Config, tp: TPGroup = SINGLE):
         super().__init__()
@@ -206,8 +288,9 @@ class Qwen3ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None
+    ) -> torch.Tensor:
         "Hidden states `[num_tokens, hidden]` of the step's flat tokens; without `meta`, the tokens are one sequence."
         return self.model(input_ids, positions, meta)
 

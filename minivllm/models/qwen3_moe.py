@@ -29,8 +29,11 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
 def qwen3_moe_mlp(config, layer_idx: int, tp: TPGroup) -> nn.Module:
     "Experts on every `decoder_sparse_step`-th layer not listed in `mlp_only_layers`; the dense MLP elsewhere."
-    sparse = (layer_idx not in config.mlp_only_layers and config.num_experts > 0
-              and (layer_idx + 1) % config.decoder_sparse_step == 0)
+    sparse = (
+        layer_idx not in config.mlp_only_layers
+        and config.num_experts > 0
+        and (layer_idx + 1) % config.decoder_sparse_step == 0
+    )
     return Qwen3MoeSparseMoeBlock(config, tp) if sparse else dense_mlp(config, layer_idx, tp)
 
 
@@ -44,7 +47,9 @@ def qwen3_moe_weights(config) -> dict:
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     "Qwen3-MoE (`model_type` 'qwen3_moe'): Qwen3's decoder whose MLPs are mixtures of experts."
+
     traits = staticmethod(qwen3_moe_traits)
 
+
 # %% auto #0
-__all__ = ['Qwen3MoeSparseMoeBlock', 'qwen3_moe_mlp', 'qwen3_moe_traits', 'qwen3_moe_weights', 'Qwen3MoeForCausalLM']
+__all__ = ["Qwen3MoeSparseMoeBlock", "qwen3_moe_mlp", "qwen3_moe_traits", "qwen3_moe_weights", "Qwen3MoeForCausalLM"]

@@ -24,19 +24,20 @@ from .qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_weights
 @dataclass(frozen=True)
 class ModelSpec:
     "How to run one model family: its module, and which checkpoint tensors it packs into one parameter."
-    model_class: type[nn.Module]                       # built as model_class(hf_config, tp)
-    packed_weights: dict[str, tuple[str, str | int]]   # checkpoint name part -> (our parameter, shard id)
-    config_weights: Callable[[PretrainedConfig], dict] | None = None   # names that depend on the config (experts)
+
+    model_class: type[nn.Module]  # built as model_class(hf_config, tp)
+    packed_weights: dict[str, tuple[str, str | int]]  # checkpoint name part -> (our parameter, shard id)
+    config_weights: Callable[[PretrainedConfig], dict] | None = None  # names that depend on the config (experts)
 
     def weight_mapping(self, hf_config: PretrainedConfig) -> dict:
         "The loader's mapping for `hf_config`: the config's own names first (they are the more specific)."
         return {**(self.config_weights(hf_config) if self.config_weights else {}), **self.packed_weights}
 
 
-MODEL_REGISTRY: dict[str, ModelSpec] = {   # Hugging Face `model_type` -> its spec: a new family is one more line
+MODEL_REGISTRY: dict[str, ModelSpec] = {  # Hugging Face `model_type` -> its spec: a new family is one more line
     "qwen3": ModelSpec(Qwen3ForCausalLM, QWEN3_PACKED_WEIGHTS),
-    "qwen2": ModelSpec(Qwen2ForCausalLM, QWEN3_PACKED_WEIGHTS),   # Qwen2 and Qwen2.5
-    "llama": ModelSpec(LlamaForCausalLM, QWEN3_PACKED_WEIGHTS),   # Llama 3.x (and Llama 2)
+    "qwen2": ModelSpec(Qwen2ForCausalLM, QWEN3_PACKED_WEIGHTS),  # Qwen2 and Qwen2.5
+    "llama": ModelSpec(LlamaForCausalLM, QWEN3_PACKED_WEIGHTS),  # Llama 3.x (and Llama 2)
     "qwen3_moe": ModelSpec(Qwen3MoeForCausalLM, QWEN3_PACKED_WEIGHTS, qwen3_moe_weights),
 }
 
@@ -44,16 +45,18 @@ MODEL_REGISTRY: dict[str, ModelSpec] = {   # Hugging Face `model_type` -> its sp
 def model_spec(hf_config: PretrainedConfig) -> ModelSpec:
     return MODEL_REGISTRY[hf_config.model_type]
 
+
 # %% auto #0
-__all__ = ['MODEL_REGISTRY', 'ModelSpec', 'model_spec', 'load_config', 'build_model']
+__all__ = ["MODEL_REGISTRY", "ModelSpec", "model_spec", "load_config", "build_model"]
+
 
 # %% ../../notebooks/08_qwen3.ipynb #7fc6d483
 def load_config(path: str | Path) -> PretrainedConfig:
     "The Hugging Face config of the model folder `path`; a ValueError unless the registry knows its model type."
-    if is_gguf(path):   # one file: the config is its metadata (section 9)
+    if is_gguf(path):  # one file: the config is its metadata (section 9)
         return gguf_config(path)
     folder = Path(path)
-    if not str(path) or not folder.is_dir():   # ('' would be the working directory)
+    if not str(path) or not folder.is_dir():  # ('' would be the working directory)
         raise ValueError(f"model path {str(path)!r} is not a folder")
     config_file = folder / "config.json"
     if not config_file.is_file():
@@ -63,22 +66,33 @@ def load_config(path: str | Path) -> PretrainedConfig:
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise ValueError(f"config.json in {str(path)!r} is not a JSON object: {e}") from e
     if model_type not in MODEL_REGISTRY:
-        raise ValueError(f"{str(path)!r} holds a model of type {model_type!r}; minivllm runs "
-                         f"{', '.join(MODEL_REGISTRY)} models")
-    from transformers import AutoConfig   # (imported when needed: it costs seconds)
+        raise ValueError(
+            f"{str(path)!r} holds a model of type {model_type!r}; minivllm runs {', '.join(MODEL_REGISTRY)} models"
+        )
+    from transformers import AutoConfig  # (imported when needed: it costs seconds)
+
     try:
         return AutoConfig.from_pretrained(folder, local_files_only=True)
-    except Exception as e:   # a field of the wrong type or value: transformers' checks raise their own classes
-        raise ValueError(f"config.json in {str(path)!r} is not a valid {model_type} config: {' '.join(str(e).split())}"
-                         ) from e
+    except Exception as e:  # a field of the wrong type or value: transformers' checks raise their own classes
+        raise ValueError(
+            f"config.json in {str(path)!r} is not a valid {model_type} config: {' '.join(str(e).split())}"
+        ) from e
+
 
 # %% ../../notebooks/08_qwen3.ipynb #660f3079
-def build_model(hf_config: PretrainedConfig, path: str | Path, dtype: torch.dtype, device: torch.device,
-                tp: TPGroup = SINGLE, load_format: str = "auto", seed: int = 0) -> nn.Module:
+def build_model(
+    hf_config: PretrainedConfig,
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TPGroup = SINGLE,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> nn.Module:
     """The model of `hf_config`'s family, this rank's shard, made in `dtype` on `device` and filled from `path`
     (`load_format="dummy"`: seeded random weights made in place, nothing read)."""
     spec, default_dtype = model_spec(hf_config), torch.get_default_dtype()
-    torch.set_default_dtype(dtype)   # the parameters are made in `dtype` (restored at once)
+    torch.set_default_dtype(dtype)  # the parameters are made in `dtype` (restored at once)
     try:
         with torch.device(device):
             model = spec.model_class(hf_config, tp)
