@@ -228,7 +228,8 @@ def table_row(backend: str, s: dict) -> str:
         for k in ("p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "p50_e2e_ms", "p99_e2e_ms")
     ]
     return (
-        f"{backend:13} {float(s['request_rate']):>5g} {s['completed']:>4} {s['failed']:>4} {s['request_throughput']:>6.2f} "
+        f"{backend:13} {float(s['request_rate']):>5g} {s['completed']:>4} {s['failed']:>4} "
+        f"{s['request_throughput']:>6.2f} "
         f"{s['output_throughput']:>7.0f} |     {ms[0]:>8} {ms[1]:>7} {ms[2]:>7} {ms[3]:>6} {ms[4]:>7} {ms[5]:>7} | "
         + {True: "yes", False: "no", None: "-"}[s["kept_up"]]
     )
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def on_sigterm(handler):
-    "Install `handler` for SIGTERM and return the one before (None where signals cannot be handled: not the main thread)."
+    "Install `handler` for SIGTERM; return the one before (None where signals cannot be handled: off the main thread)."
     try:
         return signal.signal(signal.SIGTERM, handler)
     except (ValueError, TypeError):

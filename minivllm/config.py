@@ -6,7 +6,9 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import TypeVar
 
 import torch
 from transformers import PretrainedConfig
@@ -250,8 +252,6 @@ class Config:
 
 
 # %% ../notebooks/09_model_runner.ipynb #3c4dc650
-from typing import Callable, TypeVar
-
 _Init = TypeVar("_Init", bound=Callable)
 
 

@@ -122,7 +122,8 @@ class LLM:
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate.
-        `chat_template_kwargs` go to the template: Qwen3 answers without thinking first with {"enable_thinking": False}."""
+        `chat_template_kwargs` go to the template: Qwen3 answers without thinking first with
+            {"enable_thinking": False}."""
         return self._run(
             self.chat_prompts(messages, add_generation_prompt, chat_template_kwargs), sampling_params, use_tqdm
         )

@@ -112,7 +112,7 @@ class SamplingParams:
 
     # %% ../notebooks/01_sequence.ipynb #c2f1a7d0
     def _normalize_lists(self) -> None:
-        "`stop` and `bad_words` as lists of non-empty strings; token ids as lists of ints; `logit_bias` as {int: float}."
+        "`stop` and `bad_words` as lists of non-empty strings, token ids as lists of ints, `logit_bias` as {int: float}"
         for name in ("stop", "bad_words"):
             value = [] if getattr(self, name) is None else getattr(self, name)
             if not isinstance(value, (str, list, tuple)):
@@ -166,8 +166,9 @@ class SamplingParams:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be at least 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
+            limit = self.max_tokens
             raise ValueError(
-                f"SamplingParams.min_tokens must be >= 0 and at most max_tokens ({self.max_tokens}), got {self.min_tokens}"
+                f"SamplingParams.min_tokens must be >= 0 and at most max_tokens ({limit}), got {self.min_tokens}"
             )
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(self, name) or 0) < 0:

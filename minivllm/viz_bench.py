@@ -50,7 +50,7 @@ def plot_report(report: dict, path: str | None = None):
         kv.set_ylabel("KV cache used (%)")
         kv.set_ylim(0, 100)
         lines = timeline.get_lines() + kv.get_lines()
-        timeline.legend(lines, [l.get_label() for l in lines], loc="upper right", fontsize=8)
+        timeline.legend(lines, [line.get_label() for line in lines], loc="upper right", fontsize=8)
         timeline.set_title("the standard run: 256 requests over time")
     fig.tight_layout()
     if path:

@@ -110,7 +110,7 @@ class BlockManager:
 
     # %% ../../notebooks/02_block_manager.ipynb #0133134a
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
-        "The chained hashes of the sequence's first `num_blocks` full blocks (computed once each, kept on the sequence)."
+        "The chained hashes of the first `num_blocks` full blocks of the sequence (each computed once, kept by it)."
         hashes, bs = seq.block_hashes, self.block_size
         start, end = len(hashes), min(num_blocks, seq.num_full_blocks)
         data, width = array("q", seq.token_ids[start * bs : end * bs]).tobytes(), 8 * bs  # the new blocks, in one call

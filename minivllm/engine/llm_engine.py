@@ -207,7 +207,7 @@ class LLMEngine:
 
     # %% ../../notebooks/10_llm_engine.ipynb #77d404ca
     def step(self) -> list[RequestOutput]:
-        "Launch a planned step (or take the one launched ahead), collect its tokens; the finished and streaming outputs."
+        "Launch a planned step (or take the one launched ahead), collect its tokens; return the finished and streamed."
         start, current, self.in_flight = time.perf_counter(), self.in_flight, None
         try:
             current = current or self._launch(self.scheduler.schedule())

@@ -225,7 +225,7 @@ class Scheduler:
 
     # %% ../../notebooks/03_scheduler.ipynb #fd4e3a02
     def postprocess(self, plan: StepPlan, token_ids: list[int]) -> list[Sequence]:
-        "After the step: advance the sequences, commit full blocks, append the sampled tokens, stop; returns the finished."
+        "After the step: advance the sequences, commit full blocks, append the sampled tokens; return the finished."
         finished, sampled, bs, eos, limit = [], iter(token_ids), self.block_size, self.eos_token_ids, self.max_model_len
         for seq, n, sample in zip(plan.seqs, plan.num_new_tokens, plan.sample):
             token_id = next(sampled) if sample else None

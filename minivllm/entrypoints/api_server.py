@@ -202,9 +202,10 @@ async def until_disconnected(request: Request, streams: list[RequestOutputStream
     "Every stream's final output; None when the client hangs up first (checked twice a second): then they are aborted."
 
     async def final(stream):
-        async for out in stream:
+        last = None
+        async for last in stream:  # noqa: B007 (the loop keeps the stream's last output)
             pass
-        return out
+        return last
 
     work = asyncio.ensure_future(asyncio.gather(*map(final, streams)))
     try:

@@ -67,10 +67,10 @@ __all__ = [
 # %% ../../notebooks/11_serving.ipynb #e055a38a
 class RequestOutputStream:
     """One request's outputs as an async iterator. The engine thread sends it outputs (or an error) through its event
-    loop; the loop awaits them. What the reader has not taken yet waits in one slot, where newer deltas are merged into it: a
-    reader slower than the engine gets fewer, larger outputs, never a growing backlog (vLLM does the same). Closing
-    it, dropping it or cancelling the task that awaits it before the end aborts the request and frees its id at once.
-    Only the event loop's thread ever holds it: the engine thread reaches it through a weak reference."""
+    loop; the loop awaits them. What the reader has not taken yet waits in one slot, where newer deltas are merged
+    into it: a reader slower than the engine gets fewer, larger outputs, never a growing backlog (vLLM does the same).
+    Closing it, dropping it or cancelling the task that awaits it before the end aborts the request and frees its id at
+    once. Only the event loop's thread ever holds it: the engine thread reaches it through a weak reference."""
 
     def __init__(self, llm: AsyncLLM, request_id: str, kind: RequestOutputKind, head: RequestOutput, n: int = 1):
         self.llm, self.request_id, self.kind, self.token = llm, request_id, kind, next(TOKENS)

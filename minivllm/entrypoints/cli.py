@@ -26,7 +26,7 @@ ENGINE_FLAGS = (
 
 
 def int_in(low: int, high: int | None = None):
-    "An argparse type: an int in [low, high] (a port, a limit), so that a bad one fails here, not after the model loads."
+    "An argparse type: an int in [low, high] (a port, a limit), so that a bad one fails here, before the model loads."
 
     def integer(text: str) -> int:  # (argparse names it in "invalid integer value")
         value = int(text)

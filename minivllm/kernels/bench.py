@@ -8,6 +8,7 @@ import triton
 import triton.testing
 
 from .paged_decode import paged_decode_attention
+from .paged_prefill import paged_prefill_attention
 
 
 def _check_cuda(device: str) -> None:
@@ -60,17 +61,13 @@ def bench_decode(
     q = torch.randn(batch, num_heads, head_dim, generator=gen, device=device, dtype=dtype)
     out = torch.empty_like(q)
     prefix = torch.tensor([shared * block_size], dtype=torch.int32, device=device) if cascade else None
-    run = lambda: paged_decode_attention(
-        q,
-        k_cache,
-        v_cache,
-        context_lens,
-        block_tables,
-        head_dim**-0.5,  # noqa
-        out=out,
-        shared_prefix_len=prefix,
-        **kernel_options,
-    )
+
+    def run():
+        scale = head_dim**-0.5
+        paged_decode_attention(
+            q, k_cache, v_cache, context_lens, block_tables, scale, out=out, shared_prefix_len=prefix, **kernel_options
+        )
+
     run()
     if cuda_graph:
         ms = triton.testing.do_bench_cudagraph(run, rep=200, return_mode="median")
@@ -86,10 +83,8 @@ def bench_decode(
 # %% auto #0
 __all__ = ["bench_copy", "bench_decode", "paged_case", "triton_paged_call", "bench_attention", "flashinfer_paged_call"]
 
+
 # %% ../../notebooks/06_attention_kernels.ipynb #0c20405b
-from .paged_prefill import paged_prefill_attention
-
-
 def paged_case(
     batch: int,
     context: int,
@@ -139,18 +134,11 @@ def bench_attention(backend: str, batch: int, context: int, new: int = 1, **case
     if backend == "flash_attn":
         from minivllm.kernels.flash_attention import flash_paged_attention
 
-        run = lambda: flash_paged_attention(
-            c["q"],
-            c["k_cache"],
-            c["v_cache"],
-            c["cu_seqlens_q"],  # noqa: E731
-            c["cu_seqlens_k"],
-            c["context_lens"],
-            c["block_tables"],
-            new,
-            context,
-            c["scale"],
-        )
+        names = ("q", "k_cache", "v_cache", "cu_seqlens_q", "cu_seqlens_k", "context_lens", "block_tables")
+
+        def run():
+            flash_paged_attention(*(c[name] for name in names), new, context, c["scale"])
+
     elif backend == "triton":
         run = triton_paged_call(c)
     else:

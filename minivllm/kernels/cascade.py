@@ -6,7 +6,7 @@ from __future__ import annotations  # the kernel's module: Triton, and the plan 
 import triton
 import triton.language as tl
 
-from minivllm.kernels.cascade_plan import (  # noqa: F401  # noqa: F401
+from minivllm.kernels.cascade_plan import (  # noqa: F401 (re-exported: the kernels import them from here)
     CASCADE_MIN_PREFIX,
     CASCADE_MIN_SAVED,
     cascade_prefix_len,

@@ -186,14 +186,17 @@ def bench_fused_moe(
     from minivllm.kernels.bench import _check_cuda
 
     _check_cuda(device)
-    T, H, I, E, k = num_tokens, hidden, intermediate, num_experts, top_k
+    T, H, inter, E, k = num_tokens, hidden, intermediate, num_experts, top_k
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(T, H, device=device, dtype=dtype, generator=g)
-    w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype, generator=g) * H**-0.5
-    w2 = torch.randn(E, H, I, device=device, dtype=dtype, generator=g) * I**-0.5
+    w13 = torch.randn(E, 2 * inter, H, device=device, dtype=dtype, generator=g) * H**-0.5
+    w2 = torch.randn(E, H, inter, device=device, dtype=dtype, generator=g) * inter**-0.5
     weights, ids = torch.randn(T, E, device=device, generator=g).softmax(-1).topk(k, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
-    time_us = lambda fn: 1e3 * triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")  # noqa: E731
+
+    def time_us(fn):
+        return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
     fused_us = time_us(lambda: fused_moe(x, w13, w2, weights, ids))
     loop_us = time_us(lambda: moe_experts_reference(x, w13, w2, weights, ids))
     graph = torch.cuda.CUDAGraph()
@@ -201,7 +204,7 @@ def bench_fused_moe(
         fused_moe(x, w13, w2, weights, ids)
     graph_us = time_us(graph.replay)
     hit = torch.unique(ids).numel()  # only the experts some token chose are read
-    flops = 2 * T * k * 3 * H * I
-    nbytes = (hit * 3 * H * I + 2 * T * H + 2 * T * k * (3 * I + H)) * x.element_size()
+    flops = 2 * T * k * 3 * H * inter
+    nbytes = (hit * 3 * H * inter + 2 * T * H + 2 * T * k * (3 * inter + H)) * x.element_size()
     bound_us = max(flops / 790e12, nbytes / 4.8e12) * 1e6
     return dict(fused_us=fused_us, graph_us=graph_us, loop_us=loop_us, bound_us=bound_us, experts_hit=hit)

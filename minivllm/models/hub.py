@@ -14,8 +14,9 @@ _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
 def resolve_model(model: str) -> str:
-    """The folder of `model`: `model` itself when it is a folder (or a GGUF file, or no Hub id), else the snapshot of the Hugging Face
-    Hub repository `model`, from the local cache when it is there, else downloaded once (HF_HUB_OFFLINE: cache only)."""
+    """The folder of `model`: `model` itself when it is a folder (or a GGUF file, or no Hub id), else the snapshot
+    of the Hugging Face Hub repository `model`, from the local cache when it is there, else downloaded once
+    (HF_HUB_OFFLINE: cache only)."""
     if os.path.isdir(model) or is_gguf(model) or not _REPO_ID.match(model):
         return model
     from huggingface_hub import constants, snapshot_download
