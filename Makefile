@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=1800
 
-.PHONY: venv test test-unit test-under-load test-browser test-gpu test-notebooks check-export shape export demo real-model lab notebooks clean
+.PHONY: venv test format test-unit test-under-load test-browser test-gpu test-notebooks check-export shape export demo real-model lab notebooks clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,14 @@ test: venv
 	$(PY) -m pytest tests -m "not browser"
 	$(PY) -m pytest $(NBVAL) notebooks/
 	$(PY) tools/export.py --check
+	$(PY) -m ruff format --check minivllm tools tests notebooks
+	$(PY) -m ruff check minivllm tools tests
 	$(PY) tools/shape.py
+
+## make format: ruff formats the notebooks, tools/ and tests/, then the package is exported from the notebooks
+format: venv
+	$(PY) -m ruff format notebooks tools tests
+	$(PY) tools/export.py
 
 test-unit: venv
 	$(PY) -m pytest tests -m "not browser"
