@@ -28,7 +28,22 @@ DEMO_QUESTIONS = [
 ]
 DEMO_SAMPLING = dict(temperature=0.7, top_p=0.9, seed=0, max_tokens=128, repetition_penalty=1.1)  # SmolLM2's demo
 
+# %% auto #0
+__all__ = [
+    "DEMO_PROMPTS",
+    "DEMO_QUESTIONS",
+    "DEMO_SAMPLING",
+    "parse_args",
+    "read_prompts",
+    "main",
+    "run",
+    "chat_kwargs",
+    "stream",
+    "complete",
+]
 
+
+# %% ../notebooks/10_llm_engine.ipynb #b976dff8
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m minivllm", description="Generate text with minivllm.")
     ap.add_argument("prompts", nargs="*", help="prompts (default: one per line on stdin)")
@@ -74,21 +89,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     args.model = args.model or TINY_MODEL_PATH
     return args
-
-
-# %% auto #0
-__all__ = [
-    "DEMO_PROMPTS",
-    "DEMO_QUESTIONS",
-    "DEMO_SAMPLING",
-    "parse_args",
-    "read_prompts",
-    "main",
-    "run",
-    "chat_kwargs",
-    "stream",
-    "complete",
-]
 
 
 # %% ../notebooks/10_llm_engine.ipynb #f1220a02

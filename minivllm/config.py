@@ -30,6 +30,7 @@ __all__ = [
     "resolve_dtype",
     "check_types",
     "check_sizes",
+    "check_choices",
     "Config",
     "takes_engine_arguments",
 ]
@@ -143,6 +144,25 @@ def check_sizes(cfg) -> None:
     )
 
 
+# %% ../notebooks/09_model_runner.ipynb #1ed1e1b9
+def check_choices(cfg) -> None:
+    "The settings that name one of a few choices."
+    _check(
+        cfg.generation_config in ("auto", "vllm"),
+        f"generation_config must be 'auto' or 'vllm', got {cfg.generation_config!r}",
+    )
+    _check(cfg.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {cfg.load_format!r}")
+    _check(
+        cfg.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"),
+        f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {cfg.kv_cache_dtype!r}",
+    )
+    _check(
+        cfg.kv_cache_dtype == "auto" or cfg.attention_backend != "flash_attn",
+        "kv_cache_dtype='fp8' runs on minivllm's own kernels, not flash_attn: pick attention_backend "
+        "'triton' or 'torch'",
+    )
+
+
 # %% ../notebooks/09_model_runner.ipynb #a14b4343
 GENERATION_FIELDS = {
     "temperature": "temperature",
@@ -154,6 +174,7 @@ GENERATION_FIELDS = {
 }  # as vLLM reads them
 
 
+# %% ../notebooks/09_model_runner.ipynb #1780cc80
 @dataclass
 class Config:
     "The settings of one engine (vLLM's names), validated when it is made."
@@ -194,23 +215,8 @@ class Config:
         if self.max_model_len is None:
             self.max_model_len = min(4096, self.hf_config.max_position_embeddings)
         check_sizes(self)
-        _check(
-            self.generation_config in ("auto", "vllm"),
-            f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}",
-        )
-        _check(
-            self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}"
-        )
-        _check(
-            self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"),
-            f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}",
-        )
+        check_choices(self)
         self.cache_dtype = self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
-        _check(
-            self.kv_cache_dtype == "auto" or self.attention_backend != "flash_attn",
-            "kv_cache_dtype='fp8' runs on minivllm's own kernels, not flash_attn: pick attention_backend "
-            "'triton' or 'torch'",
-        )
         requested = self.attention_backend  # one backend for both phases, or None: each phase's faster (notebook 05)
         self.attention_backend = select_backend(self.device, self.block_size, requested, self.cache_dtype, "decode")
         self.prefill_backend = select_backend(self.device, self.block_size, requested, self.cache_dtype, "prefill")

@@ -163,6 +163,7 @@ class LLM:
         except Exception as e:  # (jinja's errors: a template that rejects these messages, or raises by design)
             raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
 
+    # %% ../notebooks/10_llm_engine.ipynb #b413714c
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         "Yield a `RequestOutput` holding only the new text and tokens each time the request produces some."
         engine = self._engine()

@@ -54,6 +54,11 @@ class RequestMetrics:
         return (self.last_token_time - self.first_token_time) / (self.num_generated_tokens - 1)
 
 
+# %% auto #0
+__all__ = ["Logprob", "CompletionOutput", "RequestMetrics", "RequestOutput"]
+
+
+# %% ../notebooks/10_llm_engine.ipynb #7778450a
 @dataclass
 class RequestOutput:
     "A request's prompt and its completion, as `LLM.generate` returns it (vLLM's fields)."
@@ -73,7 +78,3 @@ class RequestOutput:
             f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, text={out.text!r}, "
             f"token_ids={out.token_ids}, finish_reason={out.finish_reason!r}, finished={self.finished})"
         )
-
-
-# %% auto #0
-__all__ = ["Logprob", "CompletionOutput", "RequestMetrics", "RequestOutput"]

@@ -213,6 +213,7 @@ def _draw_tables_and_pool(ax, snap: KVSnapshot, owners, fill, extent: tuple[int,
     ax.set_aspect("equal")
 
 
+# %% ../notebooks/02_block_manager.ipynb #9076e029
 def draw_kv_cache(
     snap: KVSnapshot,
     ax=None,

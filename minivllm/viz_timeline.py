@@ -144,6 +144,7 @@ def draw_timeline(
     return fig
 
 
+# %% ../notebooks/03_scheduler.ipynb #c2f49536
 def compare_timelines(
     runs: dict[str, SequenceLike[StepRecord]],
     use_time: bool = True,

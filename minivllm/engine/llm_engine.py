@@ -186,6 +186,7 @@ class LLMEngine:
         self.scheduler.add(seq)
         return req
 
+    # %% ../../notebooks/10_llm_engine.ipynb #ef1596da
     def abort_request(self, request_id: str | list[str]) -> None:
         "End a request (or each of a list, as vLLM takes them) wherever it is; its blocks return to the free list."
         for req in self.outputs.find([request_id] if isinstance(request_id, str) else list(request_id)):

@@ -83,6 +83,7 @@ class Sequence:
     def last_token(self) -> int:
         return self.token_ids[-1]
 
+    # %% ../../notebooks/01_sequence.ipynb #34136827
     @property
     def num_uncomputed_tokens(self) -> int:
         "Tokens whose K/V are not in the cache yet: the whole prompt at first, then 1 per decode step."

@@ -9,7 +9,11 @@ from dataclasses import dataclass, field
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
 
+# %% auto #0
+__all__ = ["StepRecord", "token_times"]
 
+
+# %% ../../notebooks/03_scheduler.ipynb #394a8b9e
 @dataclass
 class StepRecord:
     "One engine step, as plain data: which sequences ran, how many tokens each, and the state after the step."
@@ -73,6 +77,7 @@ class StepRecord:
         return self.start, self.start + self.duration
 
 
+# %% ../../notebooks/03_scheduler.ipynb #93272f40
 def token_times(records: SequenceLike[StepRecord], use_time: bool = False) -> dict[int, list[float]]:
     "For each sequence, when each of its tokens was sampled (the end of the step), in steps or seconds."
     times: dict[int, list[float]] = {}
@@ -82,7 +87,3 @@ def token_times(records: SequenceLike[StepRecord], use_time: bool = False) -> di
             if sampled:
                 times.setdefault(sid, []).append(end)
     return times
-
-
-# %% auto #0
-__all__ = ["StepRecord", "token_times"]

@@ -68,6 +68,11 @@ def flash_paged_attention(
     )
 
 
+# %% auto #0
+__all__ = ["flash_paged_attention", "flash_varlen_attention"]
+
+
+# %% ../../notebooks/05_paged_attention.ipynb #5572a10e
 def flash_varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -96,7 +101,3 @@ def flash_varlen_attention(
             causal=True,
         )
     )
-
-
-# %% auto #0
-__all__ = ["flash_paged_attention", "flash_varlen_attention"]

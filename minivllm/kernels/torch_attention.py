@@ -150,6 +150,7 @@ def store_kvcache_torch(
     write_slots(v_cache, slot_mapping.long(), v)
 
 
+# %% ../../notebooks/05_paged_attention.ipynb #b246ab05
 def varlen_attention_torch(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -43,6 +43,24 @@ def linear(
     return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")[:rows].reshape(*x.shape[:-1], -1)
 
 
+# %% auto #0
+__all__ = [
+    "PACKED_MAX_ROWS",
+    "check_shape",
+    "no_shard_id",
+    "linear",
+    "LinearBase",
+    "ReplicatedLinear",
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "RowParallelLinear",
+    "cpu_packing_works",
+    "pack_for_cpu",
+]
+
+
+# %% ../../notebooks/04_layers.ipynb #db8dc299
 class LinearBase(nn.Module):
     "`y = x W^T + b` with this rank's `weight` `[output_size, input_size]`; `tp_dim` is the dim cut across ranks."
 
@@ -71,23 +89,6 @@ class LinearBase(nn.Module):
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}" + (
             f", tp_rank={self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else ""
         )
-
-
-# %% auto #0
-__all__ = [
-    "PACKED_MAX_ROWS",
-    "check_shape",
-    "no_shard_id",
-    "linear",
-    "LinearBase",
-    "ReplicatedLinear",
-    "ColumnParallelLinear",
-    "MergedColumnParallelLinear",
-    "QKVParallelLinear",
-    "RowParallelLinear",
-    "cpu_packing_works",
-    "pack_for_cpu",
-]
 
 
 # %% ../../notebooks/04_layers.ipynb #18abf528

@@ -21,7 +21,23 @@ from ..layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
 if TYPE_CHECKING:  # (only named in type hints: importing it for real costs seconds)
     from transformers import PretrainedConfig, Qwen3Config
 
+# %% auto #0
+__all__ = [
+    "QWEN3_PACKED_WEIGHTS",
+    "Qwen3Attention",
+    "Qwen3MLP",
+    "DecoderTraits",
+    "qwen3_traits",
+    "dense_mlp",
+    "Qwen3DecoderLayer",
+    "head_dim",
+    "check_config",
+    "Qwen3Model",
+    "Qwen3ForCausalLM",
+]
 
+
+# %% ../../notebooks/08_qwen3.ipynb #b63fcee7
 class Qwen3Attention(nn.Module):
     "Qwen3 self-attention: packed QKV, RMSNorm on every query/key head, rotary embedding, paged attention, o_proj."
 
@@ -67,50 +83,24 @@ class Qwen3Attention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta).flatten(1, -1))
 
+    # %% ../../notebooks/08_qwen3.ipynb #a9763a8a
     def _one_kernel(
         self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None
     ) -> torch.Tensor | None:
         "The queries, with the K/V written, by notebook 06's kernel: on a GPU, into a cache of the model's dtype."
         cache, dim = self.attn.k_cache, self.head_dim
-        if (
-            not qkv.is_cuda
-            or cache is None
-            or cache.dtype != qkv.dtype
-            or self.rotary_emb.rotary_dim != dim
-            or dim & (dim - 1)
-        ):
+        fits = cache is not None and cache.dtype == qkv.dtype and self.rotary_emb.rotary_dim == dim
+        if not qkv.is_cuda or not fits or dim & (dim - 1):
             return None
         from minivllm.kernels.qk_norm_rope import qk_norm_rope_store
 
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-        return qk_norm_rope_store(
-            qkv,
-            self.num_heads,
-            self.num_kv_heads,
-            dim,
-            *norms,
-            self.rotary_emb.cos_sin_cache,
-            positions,
-            meta.slot_mapping,
-            cache,
-            self.attn.v_cache,
-        )
+        heads = (self.num_heads, self.num_kv_heads, dim)
+        where = (meta.slot_mapping, cache, self.attn.v_cache)  # the K/V go to these slots of the cache
+        return qk_norm_rope_store(qkv, *heads, *norms, self.rotary_emb.cos_sin_cache, positions, *where)
 
 
-# %% auto #0
-__all__ = [
-    "QWEN3_PACKED_WEIGHTS",
-    "Qwen3Attention",
-    "Qwen3MLP",
-    "DecoderTraits",
-    "qwen3_traits",
-    "dense_mlp",
-    "Qwen3DecoderLayer",
-    "head_dim",
-    "check_config",
-    "Qwen3Model",
-    "Qwen3ForCausalLM",
-]
+# %% ../../notebooks/08_qwen3.ipynb #a9763a8a
 
 
 # %% ../../notebooks/08_qwen3.ipynb #a3381abe
@@ -152,6 +142,7 @@ def dense_mlp(config: PretrainedConfig, layer_idx: int, tp: TPGroup) -> Qwen3MLP
     return Qwen3MLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False), tp=tp)
 
 
+# %% ../../notebooks/08_qwen3.ipynb #93d5b615
 class Qwen3DecoderLayer(nn.Module):
     "One Qwen3 block: attention and MLP, each behind an RMSNorm that also performs the pending residual add."
 
@@ -223,6 +214,7 @@ class Qwen3DecoderLayer(nn.Module):
         return mlp.down_proj(act), residual
 
 
+# %% ../../notebooks/08_qwen3.ipynb #8b5e4518
 def head_dim(config: Qwen3Config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
