@@ -1,8 +1,9 @@
 """Worker for tests/test_qwen3.py::test_tensor_parallel_model_matches_hf (not collected by pytest: leading underscore).
 
-Each rank of a 2-process gloo group builds the folder's model (Qwen3, or Qwen3-MoE: experts sharded as an MLP) with `tp=TPGroup(rank, world_size, WORLD, WORLD)`, loads
-the full checkpoint (each weight_loader cuts this rank's shard), runs a packed prefill, and checks the logits, which
-every rank gets whole after the LM head's all-gather, against transformers on the full model.
+Each rank of a 2-process gloo group builds the folder's model (Qwen3, or Qwen3-MoE: experts sharded as an MLP) with
+`tp=TPGroup(rank, world_size, WORLD, WORLD)`, loads the full checkpoint (each weight_loader cuts this rank's shard),
+runs a packed prefill, and checks the logits, which every rank gets whole after the LM head's all-gather, against
+transformers on the full model.
 """
 
 from __future__ import annotations

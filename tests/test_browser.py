@@ -185,7 +185,7 @@ def test_the_course_runs_in_jupyterlab_and_its_players_move(lab, browser):
         open_notebook(browser, url, token, name)
         if name != "00_tour.ipynb":  # the stored widget state draws the players before the kernel ran anything
             stored = wait_for(lambda: players(browser), 60, f"the stored players of {name} to show")
-            assert all(wait_for(lambda: shown_picture(p), 60, "a stored frame") for p in stored)
+            assert all(wait_for(functools.partial(shown_picture, p), 60, "a stored frame") for p in stored)
         run_all_cells(browser, name)
         found = (
             wait_for(lambda: players(browser), 120, f"the players of {name}")
@@ -194,11 +194,15 @@ def test_the_course_runs_in_jupyterlab_and_its_players_move(lab, browser):
         )
         for player in found:
             browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", player)
-            before = wait_for(lambda: shown_picture(player), 60, f"a frame shown by a player of {name}")
+            before = wait_for(functools.partial(shown_picture, player), 60, f"a frame shown by a player of {name}")
             handle = player.find_element(By.CSS_SELECTOR, ".widget-slider .noUi-handle")
             handle.click()
             handle.send_keys(Keys.ARROW_RIGHT)  # the next snapshot
-            wait_for(lambda: shown_picture(player) not in (None, before), 60, f"a player of {name} to change frame")
+            wait_for(
+                lambda player=player, before=before: shown_picture(player) not in (None, before),
+                60,
+                f"a player of {name} to change frame",
+            )
             moved[name] = moved.get(name, 0) + 1
         leave(browser, url, token)
     assert moved.get("02_block_manager.ipynb", 0) >= 1 and moved.get("03_scheduler.ipynb", 0) >= 1, moved

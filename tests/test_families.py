@@ -146,16 +146,16 @@ def test_family_specifics_are_built():
 
 
 def test_experts_are_sharded_like_the_dense_mlp():
-    E, H, I = 4, 16, 8
+    E, H, inter = 4, 16, 8
     g = torch.Generator().manual_seed(0)
     parts = {
-        (e, p): torch.randn((H, I) if p == "down_proj" else (I, H), generator=g)
+        (e, p): torch.randn((H, inter) if p == "down_proj" else (inter, H), generator=g)
         for e in range(E)
         for p in ("gate_proj", "up_proj", "down_proj")
     }
 
     def loaded(tp):
-        m = FusedMoE(E, H, I, tp=tp)
+        m = FusedMoE(E, H, inter, tp=tp)
         for (e, p), t in parts.items():
             param = m.w2_weight if p == "down_proj" else m.w13_weight
             param.weight_loader(param, t, (e, p))
@@ -163,8 +163,8 @@ def test_experts_are_sharded_like_the_dense_mlp():
 
     whole, ranks = loaded(TPGroup(0, 1)), [loaded(TPGroup(r, 2)) for r in range(2)]
     for e in range(E):
-        gate = torch.cat([r.w13_weight[e, : I // 2] for r in ranks])
-        up = torch.cat([r.w13_weight[e, I // 2 :] for r in ranks])
+        gate = torch.cat([r.w13_weight[e, : inter // 2] for r in ranks])
+        up = torch.cat([r.w13_weight[e, inter // 2 :] for r in ranks])
         assert torch.equal(torch.cat([gate, up]), whole.w13_weight[e])
         assert torch.equal(torch.cat([r.w2_weight[e] for r in ranks], 1), whole.w2_weight[e])
     x, ids = torch.randn(5, H, generator=g), torch.randint(0, E, (5, 2), generator=g)
@@ -172,9 +172,9 @@ def test_experts_are_sharded_like_the_dense_mlp():
     summed = sum(moe_experts_reference(x, r.w13_weight, r.w2_weight, w, ids) for r in ranks)  # the all-reduce's sum
     torch.testing.assert_close(summed, whole(x, w, ids), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="expected shape"):
-        whole.w13_weight.weight_loader(whole.w13_weight, torch.zeros(I + 1, H), (0, "up_proj"))
+        whole.w13_weight.weight_loader(whole.w13_weight, torch.zeros(inter + 1, H), (0, "up_proj"))
     with pytest.raises(ValueError, match="no expert part"):
-        whole.w13_weight.weight_loader(whole.w13_weight, torch.zeros(I, H), (E, "up_proj"))
+        whole.w13_weight.weight_loader(whole.w13_weight, torch.zeros(inter, H), (E, "up_proj"))
 
 
 def test_dummy_weights_need_only_a_config_and_are_seeded(tmp_path):

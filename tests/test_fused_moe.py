@@ -11,10 +11,10 @@ from minivllm.kernels.fused_moe import fused_moe, moe_align_block_size, moe_expe
 H = 32
 
 
-def make_weights(E: int, I: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random w13 [E, 2I, H] and w2 [E, H, I] in float32."""
+def make_weights(E: int, inter: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random w13 [E, 2 * inter, H] and w2 [E, H, inter] in float32 (inter: the intermediate size)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(E, 2 * I, H, generator=g) * H**-0.5, torch.randn(E, H, I, generator=g) * I**-0.5
+    return torch.randn(E, 2 * inter, H, generator=g) * H**-0.5, torch.randn(E, H, inter, generator=g) * inter**-0.5
 
 
 def random_routing(T: int, E: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +55,7 @@ def test_align_invariants_and_static_shapes(block_m: int) -> None:
     assert len(shapes) == 1
 
 
-CASES = [  # (T, E, k, I, routing)
+CASES = [  # (T, E, k, inter, routing)
     (12, 8, 2, 16, "random"),
     (7, 6, 3, 32, "random"),  # E not a power of two
     (1, 8, 2, 16, "random"),  # T=1: most experts never hit
@@ -78,9 +78,9 @@ def routing(T: int, E: int, k: int, kind: str, seed: int) -> tuple[torch.Tensor,
     return w, ids
 
 
-@pytest.mark.parametrize("T,E,k,I,kind", CASES)
-def test_fused_moe_matches_reference(T: int, E: int, k: int, I: int, kind: str) -> None:
-    w13, w2 = make_weights(E, I, seed=T)
+@pytest.mark.parametrize("T,E,k,inter,kind", CASES)
+def test_fused_moe_matches_reference(T: int, E: int, k: int, inter: int, kind: str) -> None:
+    w13, w2 = make_weights(E, inter, seed=T)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(1))
     w, ids = routing(T, E, k, kind, seed=T + k)
     ref = moe_experts_reference(x, w13, w2, w, ids)
@@ -90,8 +90,8 @@ def test_fused_moe_matches_reference(T: int, E: int, k: int, I: int, kind: str) 
 
 
 def test_fused_moe_block_m_16_with_many_slots_per_expert() -> None:
-    E, I, T, k = 2, 16, 12, 2  # 12 slots per expert: spans partial tiles and padding
-    w13, w2 = make_weights(E, I)
+    E, inter, T, k = 2, 16, 12, 2  # 12 slots per expert: spans partial tiles and padding
+    w13, w2 = make_weights(E, inter)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
     w, ids = random_routing(T, E, k, seed=3)
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)  # several N and K tiles
@@ -102,8 +102,8 @@ def test_fused_moe_block_m_16_with_many_slots_per_expert() -> None:
 
 
 def test_reference_matches_dense() -> None:
-    T, E, k, I = 10, 5, 2, 16
-    w13, w2 = make_weights(E, I, seed=4)
+    T, E, k, inter = 10, 5, 2, 16
+    w13, w2 = make_weights(E, inter, seed=4)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(5))
     w, ids = random_routing(T, E, k, seed=6)
     gate, up = torch.einsum("th,eih->eti", x, w13).chunk(2, dim=-1)  # every expert on every token
@@ -117,13 +117,13 @@ def test_matches_transformers_qwen3_moe_experts() -> None:
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    E, I, T, k = 6, 16, 9, 2
+    E, inter, T, k = 6, 16, 9, 2
     cfg = Qwen3MoeConfig(
-        hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k, hidden_act="silu"
+        hidden_size=H, moe_intermediate_size=inter, num_experts=E, num_experts_per_tok=k, hidden_act="silu"
     )
     cfg._experts_implementation = "eager"
     experts = Qwen3MoeExperts(cfg)
-    w13, w2 = make_weights(E, I, seed=7)
+    w13, w2 = make_weights(E, inter, seed=7)
     with torch.no_grad():
         experts.gate_up_proj.copy_(w13)
         experts.down_proj.copy_(w2)
@@ -148,10 +148,10 @@ def test_wrong_shape_raises_value_error() -> None:
 def test_gpu_fused_moe_at_qwen3_30b_a3b_shapes(tokens: int) -> None:
     "bfloat16 on the GPU, 128 experts of 2048 x 768, 8 per token: within bfloat16 rounding of the float32 loop."
     g = torch.Generator(device="cuda").manual_seed(tokens)
-    E, Hd, I, k = 128, 2048, 768, 8
+    E, Hd, inter, k = 128, 2048, 768, 8
     x = torch.randn(tokens, Hd, device="cuda", generator=g).bfloat16()
-    w13 = (torch.randn(E, 2 * I, Hd, device="cuda", generator=g) * Hd**-0.5).bfloat16()
-    w2 = (torch.randn(E, Hd, I, device="cuda", generator=g) * I**-0.5).bfloat16()
+    w13 = (torch.randn(E, 2 * inter, Hd, device="cuda", generator=g) * Hd**-0.5).bfloat16()
+    w2 = (torch.randn(E, Hd, inter, device="cuda", generator=g) * inter**-0.5).bfloat16()
     w, ids = torch.randn(tokens, E, device="cuda", generator=g).softmax(-1).topk(k, dim=-1)
     w = w / w.sum(-1, keepdim=True)
     ref = moe_experts_reference(x.float(), w13.float(), w2.float(), w, ids)

@@ -43,7 +43,6 @@ from minivllm.kernels.cascade import (
 )
 from minivllm.kernels.gemv import gemv, norm_gemv  # noqa: E402
 from minivllm.kernels.paged_decode import (
-    DECODE_BLOCK_N,
     MAX_SPLITS,
     choose_num_splits,  # noqa: E402
     paged_decode_attention,
@@ -439,7 +438,7 @@ def test_plan_prefill_grid_covers_every_token(lens, num_kv_heads, group, block_m
     assert sorted(covered) == [(i, t) for i, n in enumerate(lens) for t in range(n)]  # every token, exactly once
 
 
-# ---------------------------------------------------------------- GPU, real sizes (Qwen3-0.6B: 16 heads, 8 KV heads, 128)
+# -------------------------------------------------------------- GPU, real sizes (Qwen3-0.6B: 16 heads, 8 KV heads, 128)
 
 QWEN = dict(heads=16, kv_heads=8, dim=128, dtype=torch.bfloat16, device="cuda")
 SCALE = 128**-0.5
@@ -747,20 +746,10 @@ def test_qk_norm_rope_store_rejects_mismatches():
         torch.zeros(3, dtype=torch.long, device=DEVICE),
         torch.zeros(3, dtype=torch.long, device=DEVICE),
     )
-    call = lambda qkv, dim=16, c=cache: qk_norm_rope_store(
-        qkv,
-        4,
-        2,
-        dim,
-        None,
-        None,
-        1e-6,
-        table,
-        pos,
-        slots,
-        c,  # noqa: E731
-        c.clone(),
-    )
+
+    def call(qkv, dim=16, c=cache):
+        return qk_norm_rope_store(qkv, 4, 2, dim, None, None, 1e-6, table, pos, slots, c, c.clone())
+
     with pytest.raises(ValueError, match="qkv must be"):
         call(torch.zeros(3, 100, device=DEVICE))
     with pytest.raises(ValueError, match="power of two"):
@@ -793,7 +782,8 @@ def test_gemv_fused_with_the_activation():
 
 @pytest.mark.parametrize("n, k, fuse", [(6, 3000, False), (5, 1100, True), (9, 9000, False)])
 def test_gemv_with_the_early_launchs_tiles(monkeypatch, n, k, fuse):
-    "The tiles gemv takes when launched early (a whole row of up to 4,096 inputs), in the interpreter (no early launch)."
+    """The tiles gemv takes when launched early (a whole row of up to 4,096 inputs), in the interpreter (no early
+    launch)."""
     from minivllm.kernels import gemv as gemv_module
 
     tiles = gemv_module.gemv_tiles

@@ -120,7 +120,7 @@ def fp8_agreement(**engine_kwargs) -> tuple[float, float, list[int]]:
             blocks.append(llm.llm_engine.scheduler.block_manager.num_blocks)
     same, kls = 0, []
     for ref, got in zip(runs["auto"], runs["fp8"]):
-        for t, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)):
+        for a, b in zip(ref.token_ids, got.token_ids):
             same += a == b
         diverged = next((t for t, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b), 32)
         for t in range(min(diverged + 1, 32)):  # the same context up to here: the next-token distributions

@@ -57,7 +57,8 @@ def test_repetition_penalty_gives_the_greedy_tokens_of_transformers(tiny, llm, p
 def reference_logits(
     logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams, stop_ids: list[int]
 ) -> torch.Tensor:
-    "vLLM's formulas for one row, in float64, token by token: allowed ids, bad words, min_tokens, logit_bias, penalties."
+    """vLLM's formulas for one row, in float64, token by token: allowed ids, bad words, min_tokens, logit_bias,
+    penalties."""
     x = logits.double().clone()
     if p.allowed_token_ids is not None:
         keep = torch.full_like(x, -math.inf)

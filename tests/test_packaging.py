@@ -1,9 +1,10 @@
 """The package as users install it (project issue 12): the engine runs without the course's libraries.
 
-`pip install minivllm` brings what the engine needs; the pictures and players of the notebooks (matplotlib,
-ipywidgets) come with the `course` extra, the HTTP server (FastAPI, uvicorn, Prometheus' client) with the `serve`
-extra (project issue 15); fastcore only in the notebooks (issue 47: the modules hold whole classes). A subprocess that makes those imports fail still imports every runtime module (`AsyncLLM`
-included) and generates; the drawing modules and the server stay importable where their libraries are installed.
+`pip install minivllm` brings what the engine needs; the pictures and players of the notebooks (matplotlib, ipywidgets)
+come with the `course` extra, the HTTP server (FastAPI, uvicorn, Prometheus' client) with the `serve` extra (project
+issue 15); fastcore only in the notebooks (issue 47: the modules hold whole classes). A subprocess that makes those
+imports fail still imports every runtime module (`AsyncLLM` included) and generates; the drawing modules and the server
+stay importable where their libraries are installed.
 """
 
 from __future__ import annotations

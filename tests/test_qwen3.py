@@ -523,7 +523,8 @@ def test_packed_weights_mapping():
 
 @pytest.mark.timeout(300)
 def test_tensor_parallel_model_matches_hf(tmp_path, rank_pool):
-    "TP=2 over gloo: each rank loads its shards from the full checkpoint (Qwen3, Qwen3-MoE); the logits match transformers."
+    """TP=2 over gloo: each rank loads its shards from the full checkpoint (Qwen3, Qwen3-MoE); the logits match
+    transformers."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)

@@ -686,7 +686,10 @@ def test_context_manager_and_del_release_the_model():
 
 def test_close_returns_the_kv_cache_memory_to_the_system():
     "RSS of this process: a 256 MiB KV cache, touched, then closed: the memory goes back."
-    rss = lambda: psutil.Process().memory_info().rss
+
+    def rss():
+        return psutil.Process().memory_info().rss
+
     size_gib = 0.25
     llm = cpu_llm(TINY_MODEL_PATH, max_model_len=256, cpu_kvcache_space_gib=size_gib)
     kv = llm.llm_engine.executor.runner.kv_cache

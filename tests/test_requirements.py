@@ -17,15 +17,15 @@ def pins(lines):
 
 
 def test_requirements_are_all_pinned():
-    reqs = [l.split("#")[0].strip() for l in (ROOT / "requirements.txt").read_text().splitlines()]
-    reqs = [l for l in reqs if l]
-    assert reqs and all("==" in l for l in reqs), [l for l in reqs if "==" not in l]
+    reqs = [line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()]
+    reqs = [req for req in reqs if req]
+    assert reqs and all("==" in req for req in reqs), [req for req in reqs if "==" not in req]
 
 
 def test_environment_yml_matches_requirements():
     req = pins((ROOT / "requirements.txt").read_text().splitlines())
     env_lines = (ROOT / "environment.yml").read_text().splitlines()
-    pip_section = env_lines[next(i for i, l in enumerate(env_lines) if l.strip() == "- pip:") + 1 :]
+    pip_section = env_lines[next(i for i, line in enumerate(env_lines) if line.strip() == "- pip:") + 1 :]
     env = pins(pip_section)
     assert req == env
     assert {"torch", "triton", "transformers", "nbdev", "nbval"} <= set(req)

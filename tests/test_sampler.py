@@ -644,7 +644,7 @@ def test_cuda_frequencies_and_seeds():
         for seq_id, sp in enumerate(layout):
             cache.add(seq_id, sp)
         out = []
-        for t, step in enumerate(steps):
+        for step in steps:
             x = torch.randn(len(layout), step.shape[-1], device=dev)
             x[row] = step
             s, gens = cache.batch(np.arange(len(layout)))

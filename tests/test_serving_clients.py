@@ -34,11 +34,11 @@ from test_serving import (
     MODEL,
     assert_error,
     engine_idle,
-    one_torch_thread,
     serving,  # noqa: F401
     sse_events,
     wait_idle,
-)  # (one_torch_thread: the same autouse fixture here)
+)
+from test_serving import one_torch_thread as one_torch_thread  # the same autouse fixture here (a re-export)
 
 from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
 from minivllm.entrypoints.async_llm import AsyncLLM

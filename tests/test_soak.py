@@ -1,12 +1,12 @@
 """Soak test (project issue 8): 3,000 random requests through one engine on the tiny model.
 
 The requests mix every feature (greedy, temperature, top-k / top-p / min-p, seeds, stop strings, stop token ids,
-logprobs, ignore_eos, max_tokens up to max_model_len, penalties, min_tokens, logit_bias), prompts of every length (token ids, text, a shared prefix for the
-prefix cache), and every way in: `LLM.generate` batches, `LLMEngine.add_request` + `step`, and `LLM.stream` (some
-streams abandoned half-way). A KV cache of 12 sequences' worth for up to 32 running sequences keeps it preempting.
-Each request is kept short (max_model_len 48, prompts up to 44 tokens, max_tokens up to 12 or, for 2% of them, None:
-up to max_model_len): what it checks is the engine's bookkeeping over many requests, not long generations, and short
-requests keep the 3,000 of them cheap.
+logprobs, ignore_eos, max_tokens up to max_model_len, penalties, min_tokens, logit_bias), prompts of every length (token
+ids, text, a shared prefix for the prefix cache), and every way in: `LLM.generate` batches, `LLMEngine.add_request` +
+`step`, and `LLM.stream` (some streams abandoned half-way). A KV cache of 12 sequences' worth for up to 32 running
+sequences keeps it preempting. Each request is kept short (max_model_len 48, prompts up to 44 tokens, max_tokens up to
+12 or, for 2% of them, None: up to max_model_len): what it checks is the engine's bookkeeping over many requests, not
+long generations, and short requests keep the 3,000 of them cheap.
 
 Checked: every request is answered with a sane output (finished, a finish reason that matches its tokens, lengths
 within max_tokens and max_model_len, logprobs that belong to the tokens); repeated greedy and seeded requests give the

@@ -1,4 +1,5 @@
-"""Tensor parallelism (notebook 12; project issues 7, 12, 20): worker processes, the step message, faults, the life cycle.
+"""Tensor parallelism (notebook 12; project issues 7, 12, 20): worker processes, the step message, faults, the life
+cycle.
 
 On the CPU (gloo), with the embedded tiny Qwen3 in float32:
 - a step survives packing into one buffer and unpacking into views (and the broadcast header), for any sizes and values;
@@ -176,11 +177,13 @@ def test_step_round_trip_of_any_sizes_and_values(data):
     s = data.draw(st.integers(0, b))
     p = data.draw(st.integers(0, n))  # prompt rows whose log-probabilities were asked for
     big = st.integers(-(2**62), 2**62)
-    arr64 = lambda k: np.array(data.draw(st.lists(big, min_size=k, max_size=k)), dtype=np.int64)  # noqa: E731
-    arr32 = lambda k: np.array(
-        data.draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=k, max_size=k)),  # noqa
-        dtype=np.int32,
-    )
+
+    def arr64(k):
+        return np.array(data.draw(st.lists(big, min_size=k, max_size=k)), dtype=np.int64)
+
+    def arr32(k):
+        return np.array(data.draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=k, max_size=k)), dtype=np.int32)
+
     x = StepInputs(
         input_ids=arr64(n),
         positions=arr64(n),
@@ -663,7 +666,7 @@ def test_gpu_torchrun_rank_that_fails_ends_rank_0_with_its_error(tmp_path):
         import faulthandler, signal
         from minivllm import LLM, SamplingParams
         if __name__ == "__main__":
-            faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)   # where a rank was, if torchrun ends it
+            faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)  # where a rank was, if torchrun ends it
             llm = LLM({folder!r}, skip_tokenizer_init=True, tensor_parallel_size=2, **{GPU_ENGINE!r})
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
             print("rank 0 finished")

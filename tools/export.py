@@ -15,7 +15,8 @@ function into its class's body in the module, in notebook order, as a plain meth
 (`    # %% ../notebooks/03_scheduler.ipynb #cell-id`). The package then needs no fastcore, and type checkers and
 editors see whole classes.
 
-Last, ruff sorts the imports and formats the modules (`[tool.ruff]` in pyproject.toml), as it formats the notebooks' cells.
+Last, ruff sorts the imports and formats the modules (`[tool.ruff]` in pyproject.toml), as it formats the notebooks'
+cells.
 
 Only the generated `.py` files are managed here: package data (the tiny model) is left alone. Every package
 folder gets an `__init__.py` (empty unless a notebook exports one). Notebooks are never rewritten: their cell
@@ -137,12 +138,12 @@ def fold_patches(text: str) -> str:
             drop |= set(range(min(d.lineno for d in node.decorator_list), node.end_lineno + 1))
         for cls, methods in pieces.items():
             extra[cls] += ["\n", "    " + lines[0]] + [
-                l for m in methods for l in (m if m is methods[0] else ["\n", *m])
+                line for m in methods for line in (m if m is methods[0] else ["\n", *m])
             ]
         for cls, (cj, last) in classes.items():  # a class above patches in its own cell: its end moves up
             if cj == ci:
                 classes[cls] = (ci, last - sum(1 for n in drop if n <= last))
-        rest = [l for i, l in enumerate(lines, 1) if i not in drop]
+        rest = [line for i, line in enumerate(lines, 1) if i not in drop]
         kept.append(rest if "".join(rest[1:]).strip() else None)  # a cell of patches only is gone
         changed.append(bool(drop))
     for cls, (ci, last) in classes.items():

@@ -1,13 +1,14 @@
-"""FlashInfer, the kernel library vLLM serves with, against minivllm's Triton kernels on the same paged cache (GPU only).
+"""FlashInfer, the kernel library vLLM serves with, against minivllm's Triton kernels on the same paged cache; GPU only.
 
 The cache is `minivllm.kernels.bench.paged_case` (Qwen3-0.6B's 16 query / 8 KV heads of 128 dims, blocks of 16,
 bfloat16, blocks scattered in memory). FlashInfer reads it as it is: its "NHD" layout of a paged cache is minivllm's
 `[num_blocks, block_size, kv_heads, head_dim]`, the pages of sequence `i` are its block-table row, and the last page
 holds `(context - 1) % block_size + 1` tokens (`minivllm.kernels.bench.flashinfer_paged_call`, notebook 06). Decode:
 `BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)`; prefill over a cached prefix:
-`BatchPrefillWithPagedKVCacheWrapper(causal=True)` (FlashInfer picks its sm90 kernel on Hopper). Each output is compared with minivllm's; times are medians in microseconds, launched from Python
-(`triton.testing.do_bench`, the method of notebook 06's side by side) and, for decode, from a CUDA graph
-(`do_bench_cudagraph`: how the engine runs a decode step).
+`BatchPrefillWithPagedKVCacheWrapper(causal=True)` (FlashInfer picks its sm90 kernel on Hopper). Each output is compared
+with minivllm's; times are medians in microseconds, launched from Python (`triton.testing.do_bench`, the method of
+notebook 06's side by side) and, for decode, from a CUDA graph (`do_bench_cudagraph`: how the engine runs a decode
+step).
 
     pip install flashinfer-python        # its kernels are compiled on first use (nvcc and ninja needed)
     python tools/flashinfer_bench.py --out figures/06_flashinfer_side_by_side_h200.json

@@ -16,8 +16,9 @@ nothing stays in L2), replayed and timed (median), with the results' bits compar
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import triton
@@ -96,7 +97,10 @@ def row_product(y, x, w, norm: bool, silu: bool, mode: int, nw) -> None:
 
 def products() -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
-    rnd = lambda *shape: (torch.randn(*shape, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+
     layers = [
         dict(
             qkv=rnd(4096, HIDDEN),
@@ -127,7 +131,7 @@ def products() -> dict:
         for name, mode in MODES.items():
             step(mode)
             torch.cuda.synchronize()
-            us = triton.testing.do_bench_cudagraph(lambda: step(mode), rep=200, return_mode="median") * 1e3
+            us = triton.testing.do_bench_cudagraph(functools.partial(step, mode), rep=200, return_mode="median") * 1e3
             times[name] = {"us_per_step": round(us, 1), "us_per_layer": round(us / LAYERS, 2)}
             print(json.dumps({"products": name, **times[name]}), flush=True)
     for name, mode in MODES.items():
@@ -145,8 +149,13 @@ def decode_step_kernels(
 ) -> Callable[[], torch.Tensor]:
     "A decode step's kernels at batch 1 (the decoder layer's one-row path) over random weights and caches."
     g = torch.Generator(device="cuda").manual_seed(seed)
-    rnd = lambda *shape: (torch.randn(*shape, device="cuda", generator=g) * shape[-1] ** -0.5).bfloat16()
-    norm = lambda n: (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).bfloat16()
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=g) * shape[-1] ** -0.5).bfloat16()
+
+    def norm(n: int) -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).bfloat16()
+
     ws = [
         dict(
             qkv=rnd(4096, 1024),

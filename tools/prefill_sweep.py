@@ -15,6 +15,7 @@ causal ones (QK^T and PV over the positions each query sees).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import itertools
 import json
@@ -57,6 +58,14 @@ def causal_flops(q_lens: list[int], ctx_lens: list[int]) -> float:
     return 4.0 * DIM * HEADS * seen
 
 
+def prefill(step, skip: bool, module=paged_prefill, **cfg) -> torch.Tensor:
+    "`module`'s paged_prefill_attention on a step from `make_step`, at launch configuration `cfg`."
+    q, kc, vc, m = step
+    return module.paged_prefill_attention(
+        q, kc, vc, m.cu_seqlens_q, m.context_lens, m.block_tables, DIM**-0.5, skip_single=skip, **cfg
+    )
+
+
 def time_us(fn) -> float:
     fn()
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
@@ -74,15 +83,10 @@ def main() -> None:
         spec.loader.exec_module(before)
     results = []
     for name, (q_lens, ctx_lens) in SHAPES.items():
-        q, kc, vc, m = make_step(q_lens, ctx_lens)
+        step = make_step(q_lens, ctx_lens)
         skip = name.startswith("mixed")
         flops = causal_flops(q_lens, ctx_lens)
-
-        def run(module=paged_prefill, **cfg):
-            return module.paged_prefill_attention(
-                q, kc, vc, m.cu_seqlens_q, m.context_lens, m.block_tables, DIM**-0.5, skip_single=skip, **cfg
-            )
-
+        run = functools.partial(prefill, step, skip)
         rows_checked = slice(len(q_lens) - 1, None) if skip else slice(None)  # (skipped rows stay unwritten)
         ref = run()[rows_checked]
         rows = [("default", {}, paged_prefill)] + [("sweep", cfg, paged_prefill) for cfg in CONFIGS]
@@ -90,7 +94,7 @@ def main() -> None:
             rows.insert(0, ("before", {}, before))
         for label, cfg, module in rows:
             try:
-                us = time_us(lambda: run(module, **cfg))
+                us = time_us(functools.partial(run, module, **cfg))
                 err = (run(module, **cfg)[rows_checked].float() - ref.float()).abs().max().item()
             except Exception as e:  # a configuration that does not compile (shared memory): noted, skipped
                 print(f"{name} {label} {cfg}: {type(e).__name__}")
