@@ -23,7 +23,18 @@ COURSE_ONLY = ("viz",)  # minivllm.viz, viz_timeline, viz_bench, viz_serving: th
 BLOCKED = ("matplotlib", "ipywidgets", "fastapi", "starlette", "uvicorn", "prometheus_client", "fastcore")
 SERVER = {
     f"minivllm.entrypoints.{m}"
-    for m in ("api_server", "cli", "errors", "metrics", "middleware", "openai_format", "protocol")
+    for m in (
+        "api_server",
+        "cli",
+        "completion_routes",
+        "errors",
+        "metrics",
+        "middleware",
+        "openai_format",
+        "protocol",
+        "request_checks",
+        "utility_routes",
+    )
 }  # the `serve` extra
 
 

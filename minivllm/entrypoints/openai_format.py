@@ -48,6 +48,24 @@ def finite(logprob: float) -> float:
     return max(logprob, -9999.0)  # (-inf is not JSON; vLLM sends -9999.0)
 
 
+# %% auto #0
+__all__ = [
+    "completion_choice",
+    "completion_logprobs",
+    "finite",
+    "chat_logprobs",
+    "usage",
+    "token_counts",
+    "echo_choice",
+    "prompt_logprobs_json",
+    "sse",
+    "merge_streams",
+    "completion_chunks",
+    "chat_chunks",
+]
+
+
+# %% ../../notebooks/11_serving.ipynb #89051678
 def chat_logprobs(c: CompletionOutput, top: int | None) -> dict | None:
     "OpenAI's chat format: per token its text, logprob, bytes and the `top` most likely alternatives."
     if c.logprobs is None:
@@ -72,23 +90,6 @@ def usage(outputs: list[RequestOutput]) -> dict:
 
 def token_counts(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-# %% auto #0
-__all__ = [
-    "completion_choice",
-    "completion_logprobs",
-    "finite",
-    "chat_logprobs",
-    "usage",
-    "token_counts",
-    "echo_choice",
-    "prompt_logprobs_json",
-    "sse",
-    "merge_streams",
-    "completion_chunks",
-    "chat_chunks",
-]
 
 
 # %% ../../notebooks/11_serving.ipynb #e1c40a03

@@ -20,6 +20,24 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # (vLLM's extra) usage on every chunk too, with include_usage
 
 
+# %% auto #0
+__all__ = [
+    "DEFAULTED",
+    "logger",
+    "REFUSED",
+    "StreamOptions",
+    "SamplingFields",
+    "CompletionRequest",
+    "ChatMessage",
+    "ChatCompletionRequest",
+    "ignored_fields",
+    "content_text",
+    "TokenizeRequest",
+    "DetokenizeRequest",
+]
+
+
+# %% ../../notebooks/11_serving.ipynb #4f4e61f3
 class SamplingFields(BaseModel):
     """The fields both endpoints share: OpenAI's, then vLLM's extras. None: the model's default (generation_config).
     An unknown field is kept aside (`model_extra`) and ignored with a warning, as vLLM does; see `ignored_fields`."""
@@ -81,23 +99,6 @@ class SamplingFields(BaseModel):
     def continuous_usage(self) -> bool:
         "Usage on every chunk (vLLM's `stream_options.continuous_usage_stats`, which needs `include_usage`)."
         return self.include_usage and self.stream_options.continuous_usage_stats
-
-
-# %% auto #0
-__all__ = [
-    "DEFAULTED",
-    "logger",
-    "REFUSED",
-    "StreamOptions",
-    "SamplingFields",
-    "CompletionRequest",
-    "ChatMessage",
-    "ChatCompletionRequest",
-    "ignored_fields",
-    "content_text",
-    "TokenizeRequest",
-    "DetokenizeRequest",
-]
 
 
 # %% ../../notebooks/11_serving.ipynb #558fb527
@@ -194,6 +195,7 @@ def content_text(content: str | list[dict] | None, where: str) -> str | None:
     return "\n".join(texts)
 
 
+# %% ../../notebooks/11_serving.ipynb #dd99f924
 def _token_id(key: str) -> int:
     try:
         return int(key)
