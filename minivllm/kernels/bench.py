@@ -25,6 +25,11 @@ def bench_copy(nbytes: int = 4 << 30, device: str = "cuda") -> dict:
     return dict(ms=ms, bytes=2 * src.numel() * 4, gbps=2 * src.numel() * 4 / ms / 1e6)
 
 
+# %% auto #0
+__all__ = ["bench_copy", "bench_decode", "paged_case", "triton_paged_call", "bench_attention", "flashinfer_paged_call"]
+
+
+# %% ../../notebooks/06_attention_kernels.ipynb #2b61a617
 def bench_decode(
     batch: int = 256,
     context: int = 1024,
@@ -78,10 +83,6 @@ def bench_decode(
         2 * batch * context * num_kv_heads * head_dim * cache_elem + 2 * q.numel() * elem + block_tables.numel() * 4
     )
     return dict(ms=ms, bytes=nbytes, gbps=nbytes / ms / 1e6)
-
-
-# %% auto #0
-__all__ = ["bench_copy", "bench_decode", "paged_case", "triton_paged_call", "bench_attention", "flashinfer_paged_call"]
 
 
 # %% ../../notebooks/06_attention_kernels.ipynb #0c20405b

@@ -149,6 +149,7 @@ def grouped_matmul(
     )
 
 
+# %% ../../notebooks/06_attention_kernels.ipynb #39c85dcb
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,

@@ -146,6 +146,7 @@ def _norm_gemv_kernel(
     tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n < N)
 
 
+# %% ../../notebooks/06_attention_kernels.ipynb #7184fa7e
 def norm_gemv(
     x: torch.Tensor,
     residual: torch.Tensor | None,

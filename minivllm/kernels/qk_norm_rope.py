@@ -23,6 +23,11 @@ def _norm_rotate(x1, x2, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM:
     return f1 * cos - f2 * sin, f2 * cos + f1 * sin
 
 
+# %% auto #0
+__all__ = ["qk_norm_rope_store"]
+
+
+# %% ../../notebooks/06_attention_kernels.ipynb #c9b59312
 @triton.jit
 def _qk_norm_rope_store_kernel(
     qkv_ptr,
@@ -81,10 +86,6 @@ def _qk_norm_rope_store_kernel(
     v_out = v_cache_ptr + slot * stride_vc_slot + heads * stride_vc_head + half
     tl.store(v_out, tl.load(values, mask=mask), mask=mask)
     tl.store(v_out + HEAD_DIM // 2, tl.load(values + HEAD_DIM // 2, mask=mask), mask=mask)
-
-
-# %% auto #0
-__all__ = ["qk_norm_rope_store"]
 
 
 # %% ../../notebooks/06_attention_kernels.ipynb #a96818b2
