@@ -1,4 +1,4 @@
-"""The benchmark's own rates (minivllm/bench_card.py), measured small on a CPU, and the bounds and fractions the
+"""The benchmark's own rates (minivllm/bench/card.py), measured small on a CPU, and the bounds and fractions the
 benchmark prints and keeps with them (the whole `python -m minivllm.bench` needs CUDA: these are its pieces)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minivllm.bench import BenchResult, Report, environment, parse_args, roofline
-from minivllm.bench_card import (
+from minivllm.bench.card import (
     H200_BANDWIDTH,
     H200_FLOPS,
     card_line,
@@ -19,8 +19,8 @@ from minivllm.bench_card import (
     measure_card,
     timed_ms,
 )
-from minivllm.bench_latency import latency_lines
-from minivllm.bench_models import QWEN3_0_6B
+from minivllm.bench.latency import latency_lines
+from minivllm.bench.models import QWEN3_0_6B
 
 
 def test_timed_ms_times_each_call_after_the_warmup():

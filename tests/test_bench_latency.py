@@ -5,8 +5,8 @@ from __future__ import annotations
 from transformers import AutoConfig
 
 from minivllm import LLM, TINY_MODEL_PATH
-from minivllm.bench_latency import decode_step_table, latency_lines, single_stream
-from minivllm.bench_models import roofline
+from minivllm.bench.latency import decode_step_table, latency_lines, single_stream
+from minivllm.bench.models import roofline
 
 
 def test_single_stream_and_decode_step_table_on_the_tiny_model():

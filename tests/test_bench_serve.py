@@ -19,7 +19,7 @@ import pytest
 from _net import wait_for
 
 from minivllm import TINY_MODEL_PATH
-from minivllm.bench_load import (
+from minivllm.bench.load import (
     RequestResult,
     keeps_up,
     percentile,
@@ -29,7 +29,8 @@ from minivllm.bench_load import (
     send_request,
     summarize,
 )
-from minivllm.bench_serve import parse_args, request_bodies, server_command, with_word_tokenizer
+from minivllm.bench.serve import parse_args, request_bodies, server_command
+from minivllm.bench.servers import with_word_tokenizer
 
 
 def test_poisson_arrivals_are_seeded_scaled_and_exponential():

@@ -19,7 +19,7 @@ import pytest
 
 import minivllm
 
-COURSE_ONLY = ("viz",)  # minivllm.viz, viz_timeline, viz_bench, viz_serving: the drawing modules
+COURSE_ONLY = ("viz",)  # the drawing package minivllm.viz (and the old paths viz_timeline, viz_bench, viz_serving)
 BLOCKED = ("matplotlib", "ipywidgets", "fastapi", "starlette", "uvicorn", "prometheus_client", "fastcore")
 SERVER = {
     f"minivllm.entrypoints.{m}"
@@ -42,7 +42,9 @@ def runtime_modules() -> list[str]:
     return sorted(
         m.name
         for m in pkgutil.walk_packages(minivllm.__path__, "minivllm.")
-        if not m.name.split(".")[-1].startswith(COURSE_ONLY) and m.name != "minivllm.__main__" and m.name not in SERVER
+        if not m.name.split(".")[1].startswith(COURSE_ONLY)
+        and not m.name.endswith(".__main__")
+        and m.name not in SERVER
     )
 
 
@@ -72,12 +74,14 @@ def test_the_runtime_needs_no_course_library():
 
 def test_the_drawing_modules_import_with_the_course_libraries():
     import minivllm.viz
-    import minivllm.viz_bench
-    import minivllm.viz_timeline
+    import minivllm.viz.bench
+    import minivllm.viz.serving
+    import minivllm.viz.timeline
 
-    assert callable(minivllm.viz.draw_kv_cache) and callable(minivllm.viz_timeline.draw_timeline)
-    assert callable(minivllm.viz_bench.plot_report)
-    assert "minivllm.engine.llm_engine" in runtime_modules() and "minivllm.viz" not in runtime_modules()
+    assert callable(minivllm.viz.draw_kv_cache) and callable(minivllm.viz.timeline.draw_timeline)
+    assert callable(minivllm.viz.bench.plot_report) and callable(minivllm.viz.serving.plot_latency_sweep)
+    assert "minivllm.engine.llm_engine" in runtime_modules() and "minivllm.bench.cli" in runtime_modules()
+    assert not any(m.startswith(("minivllm.viz.", "minivllm.viz_")) or m == "minivllm.viz" for m in runtime_modules())
     assert "minivllm.entrypoints.async_llm" in runtime_modules()
 
 

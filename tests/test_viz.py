@@ -1,4 +1,4 @@
-"""Tests of the picture code (minivllm.viz, minivllm.viz_timeline): the recorded data and that drawing works."""
+"""Tests of the picture code (minivllm.viz, minivllm.viz.timeline): the recorded data and that drawing works."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from minivllm.engine.sequence import Sequence  # noqa: E402
 from minivllm.engine.step_trace import StepRecord, token_times  # noqa: E402
 from minivllm.sampling_params import SamplingParams  # noqa: E402
 from minivllm.viz import KVSnapshot, draw_fragmentation, draw_kv_cache, kv_cache_player, take_snapshot  # noqa: E402
-from minivllm.viz_timeline import draw_timeline  # noqa: E402
+from minivllm.viz.timeline import draw_timeline  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -159,7 +159,7 @@ def real_engine(batch: int, prompt_len: int, max_tokens: int, seed: int = 0):
     "The engine as the bench runs it, `batch` greedy requests admitted and prefilled; on a CPU, the tiny model's."
     import tempfile
 
-    from minivllm.bench_models import config_folder
+    from minivllm.bench.models import config_folder
 
     gpu = torch.cuda.is_available()
     model = config_folder(tempfile.mkdtemp(), "qwen3-0.6b") if gpu else TINY_MODEL_PATH

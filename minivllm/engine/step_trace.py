@@ -13,7 +13,7 @@ from .sequence import Sequence
 __all__ = ["StepRecord", "token_times"]
 
 
-# %% ../../notebooks/03_scheduler.ipynb #394a8b9e
+# %% ../../notebooks/03_scheduler.ipynb #b171a49c
 @dataclass
 class StepRecord:
     "One engine step, as plain data: which sequences ran, how many tokens each, and the state after the step."
@@ -77,7 +77,7 @@ class StepRecord:
         return self.start, self.start + self.duration
 
 
-# %% ../../notebooks/03_scheduler.ipynb #93272f40
+# %% ../../notebooks/03_scheduler.ipynb #db75f4d1
 def token_times(records: SequenceLike[StepRecord], use_time: bool = False) -> dict[int, list[float]]:
     "For each sequence, when each of its tokens was sampled (the end of the step), in steps or seconds."
     times: dict[int, list[float]] = {}
