@@ -121,17 +121,9 @@ def _paged_decode_kernel(
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
     if FOLD_PREFIX:  # the shared prefix's pieces, finished by the kernel launched before: no merge kernel (cascade)
+        first = (seq * NUM_Q_HEADS + heads) * num_parts  # each row's first partial slot
         m_i, l_i, acc = _fold_parts(
-            m_i,
-            l_i,
-            acc,
-            part_out_ptr,
-            part_lse_ptr,
-            (seq * NUM_Q_HEADS + heads) * num_parts,
-            num_parts - 1,
-            dims,
-            row_mask,
-            HEAD_DIM,
+            m_i, l_i, acc, part_out_ptr, part_lse_ptr, first, num_parts - 1, dims, row_mask, HEAD_DIM
         )
     l_i = tl.where(l_i > 0, l_i, 1.0)  # nothing read (an empty split, a padding row): out 0, lse -inf
     out = acc / l_i[:, None]
