@@ -7,10 +7,13 @@ On the CPU (gloo), with the embedded tiny Qwen3 in float32:
   chunked and mixed with decodes; the engine's own process holds no process group (any number of TP engines coexist);
 - no process is left behind after `close()`, after `del llm; gc.collect()`, after a worker fails, and when the
   engine's process is killed;
-- a worker's error (injected with MINIVLLM_TP_FAIL) or death (SIGKILL, idle or in the middle of a step) reaches the
-  caller as a RuntimeError naming the rank and the cause, and a new engine works afterwards; Ctrl-C (SIGINT to the whole
-  process group, as a terminal or JupyterLab sends it) interrupts a call promptly and the engine goes on working;
-- under torchrun, a working engine; and a rank that fails ends rank 0's call with that rank's error.
+- a worker's error (injected from outside the package, by fault_injection/sitecustomize.py) or death (SIGKILL, idle or
+  in the middle of a step) reaches the caller as a RuntimeError naming the rank and the cause, and a new engine works
+  afterwards; Ctrl-C (SIGINT to the whole process group, as a terminal or JupyterLab sends it) interrupts a call
+  promptly and the engine goes on working;
+- under torchrun, a working engine; and a rank that fails ends rank 0's call with that rank's error;
+- rank 0 serves the driver's typed requests in order; every executor is an `Executor` (the protocol of
+  engine/executor.py), at run time and for mypy.
 On two GPUs (NCCL, `@pytest.mark.gpu`): the same faults, TP=2 against TP=1, graphs against eager, and the benchmark.
 Every test that could hang has a time cap.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import pathlib
 import select
 import signal
 import subprocess
@@ -27,6 +31,7 @@ import sys
 import textwrap
 import threading
 import time
+from multiprocessing import Pipe
 
 import numpy as np
 import psutil
@@ -36,6 +41,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import minivllm
 from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
 from minivllm.config import Config
 from minivllm.distributed.launch import (
@@ -47,12 +53,13 @@ from minivllm.distributed.launch import (
     set_comm_env,
     torchrun_env,
 )
-from minivllm.distributed.step_broadcast import HEADER_WORDS
+from minivllm.distributed.step_broadcast import HEADER_WORDS, StepHeader
 from minivllm.engine.batch_builder import prepare_step
+from minivllm.engine.executor import Executor, InProcExecutor
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.step_inputs import STEP_FIELDS, StepInputs, step_nbytes
-from minivllm.engine.worker import torchrun_rank
+from minivllm.engine.worker import Collect, Launch, Reply, Stop, Sync, serve_driver, torchrun_rank
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=48)
 PROMPTS = [  # 1 to ~90 tokens: one fits in a step, the long ones are chunked and share steps with decodes
@@ -64,6 +71,24 @@ PROMPTS = [  # 1 to ~90 tokens: one fits in a step, the long ones are chunked an
     "        data = json.load(f)\n    if not isinstance(data, dict):\n        raise ValueError(path)\n    return",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+
+
+FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_injection")
+
+
+def fault_env(spec: str) -> dict[str, str]:
+    """The environment in which processes make rank R fail at STAGE (`spec`: "R:STAGE", "1:load" or "1:step"): with
+    fault_injection/ first on PYTHONPATH, its sitecustomize.py runs in every process, the spawned workers included."""
+    return {
+        "MINIVLLM_TP_FAIL": spec,
+        "PYTHONPATH": os.pathsep.join(filter(None, [FAULTS, os.environ.get("PYTHONPATH")])),
+    }
+
+
+def inject_failure_env(monkeypatch, spec: str) -> None:
+    "For this test, the workers it starts make rank R fail at STAGE (`fault_env`)."
+    for name, value in fault_env(spec).items():
+        monkeypatch.setenv(name, value)
 
 
 def our_children() -> set[int]:
@@ -145,20 +170,25 @@ def mixed_step() -> StepInputs:
 
 
 def assert_round_trip(x: StepInputs) -> None:
+    "Through the broadcast's typed header (and notebook 09's own `header()` and `unpack`): the same step, as views."
     header, packed = x.header(), x.pack()
     assert packed.dtype == np.uint8 and len(packed) == step_nbytes(x.sizes) and len(header) + 2 == HEADER_WORDS
-    y = StepInputs.unpack(header, packed)
-    for name, _, _ in STEP_FIELDS:
-        ours, theirs = getattr(x, name), getattr(y, name)
-        assert theirs.dtype == ours.dtype and theirs.shape == ours.shape and np.array_equal(theirs, ours)
-        assert theirs.size == 0 or np.shares_memory(theirs, packed)  # a view of the received bytes, not a copy
-    assert (y.max_seqlen_q, y.max_seqlen_k, y.is_decode_only, y.ahead) == (
-        x.max_seqlen_q,
-        x.max_seqlen_k,
-        x.is_decode_only,
-        x.ahead,
-    )
-    assert y.sizes == x.sizes
+    typed = StepHeader.of(x)
+    words = typed.to_words()
+    assert words.dtype == torch.int64 and words.shape == (HEADER_WORDS,) and typed.payload_bytes == len(packed)
+    assert StepHeader.from_words(words) == typed and typed.sizes == x.sizes
+    for y in (StepHeader.from_words(words).unpack(packed), StepInputs.unpack(header, packed)):
+        for name, _, _ in STEP_FIELDS:
+            ours, theirs = getattr(x, name), getattr(y, name)
+            assert theirs.dtype == ours.dtype and theirs.shape == ours.shape and np.array_equal(theirs, ours)
+            assert theirs.size == 0 or np.shares_memory(theirs, packed)  # a view of the received bytes, not a copy
+        assert (y.max_seqlen_q, y.max_seqlen_k, y.is_decode_only, y.ahead) == (
+            x.max_seqlen_q,
+            x.max_seqlen_k,
+            x.is_decode_only,
+            x.ahead,
+        )
+        assert y.sizes == x.sizes
 
 
 def test_step_round_trip_of_a_mixed_step():
@@ -202,6 +232,88 @@ def test_step_round_trip_of_any_sizes_and_values(data):
         prompt_target_ids=arr64(p),
     )
     assert_round_trip(x)
+
+
+def test_the_package_holds_no_failure_hook():
+    "Failures are injected from the tests (fault_injection/sitecustomize.py): the runtime never reads the variable."
+    package = pathlib.Path(minivllm.__file__).parent
+    assert [p for p in package.rglob("*.py") if "MINIVLLM_TP_FAIL" in p.read_text(encoding="utf-8")] == []
+
+
+class RecordingExecutor:
+    "An `Executor` that only records its calls (the handle of a launch: the number of calls so far)."
+
+    num_blocks = 7
+
+    def __init__(self):
+        self.calls = []
+
+    def add_request(self, seq_id, params, prompt_token_ids):
+        self.calls.append(("add", seq_id, params, prompt_token_ids))
+
+    def free_request(self, seq_id):
+        self.calls.append(("free", seq_id))
+
+    def launch(self, step):
+        self.calls.append(("launch", step.sizes))
+        return len(self.calls)
+
+    def collect(self, handle):
+        return [handle], None
+
+    def synchronize(self):
+        self.calls.append(("sync",))
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+def test_rank_0_serves_typed_requests_in_order():
+    "The driver's messages by hand, over a real pipe (all written before rank 0's loop reads them): its replies."
+    x, params, executor = mixed_step(), SamplingParams(max_tokens=3), RecordingExecutor()
+    driver, rank0 = Pipe()
+    driver.send(Launch(1, StepHeader.of(x), added=[(5, params, [1, 2])], freed=[3]))
+    driver.send_bytes(x.pack())
+    for command in (Collect(2), Sync(3), Stop(4)):
+        driver.send(command)
+    serve_driver(executor, rank0)
+    assert [driver.recv() for _ in range(3)] == [Reply(0, 7), Reply(2, ([3], None)), Reply(3, None)]
+    assert executor.calls == [("add", 5, params, [1, 2]), ("free", 3), ("launch", x.sizes), ("sync",), ("close",)]
+
+
+def test_rank_0_refuses_a_request_it_does_not_know():
+    driver, rank0 = Pipe()
+    driver.send(("collect", 1))  # a tuple, not one of the typed requests
+    with pytest.raises(TypeError, match="rank 0 got a request it does not know: \\('collect', 1\\)"):
+        serve_driver(RecordingExecutor(), rank0)
+    assert driver.recv() == Reply(0, 7)  # (it had said it was ready)
+
+
+@pytest.mark.timeout(300)
+def test_executors_type_check_as_executors(tmp_path):
+    """mypy (as tests/test_typing.py runs it): each executor is an `Executor` of its own handle type, and one of another
+    handle type is an error."""
+    pytest.importorskip("mypy")
+    from test_typing import mypy
+
+    script = """
+        from minivllm.engine.executor import Executor, InProcExecutor
+        from minivllm.engine.model_runner import StepHandle
+        from minivllm.engine.multiproc_executor import MultiProcExecutor
+        from minivllm.engine.worker import TPExecutor
+
+
+        def check(a: InProcExecutor, b: TPExecutor, c: MultiProcExecutor) -> None:
+            in_process: Executor[StepHandle] = a
+            rank_0: Executor[StepHandle] = b
+            workers: Executor[int] = c
+            wrong: Executor[StepHandle] = c
+    """
+    run = mypy(tmp_path, textwrap.dedent(script))
+    errors = [line for line in run.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1 and '"MultiProcExecutor", variable has type "Executor[StepHandle]"' in errors[0], (
+        run.stdout + run.stderr
+    )
 
 
 # ---------------------------------------------------------------- launch and groups (one process)
@@ -286,6 +398,17 @@ def test_tp2_matches_tp1(tp2, reference):
         )
 
 
+def test_every_executor_is_an_executor(tp2):
+    "At run time too (`Executor` is runtime-checkable): the engine's `MultiProcExecutor`, an `InProcExecutor`."
+    llm, _ = tp2
+    in_process = InProcExecutor(Config(TINY_MODEL_PATH, **ENGINE))
+    try:
+        assert isinstance(llm.llm_engine.executor, Executor) and isinstance(in_process, Executor)
+        assert isinstance(RecordingExecutor(), Executor) and not isinstance(object(), Executor)
+    finally:
+        in_process.close()
+
+
 @pytest.mark.timeout(300)
 def test_ctrl_c_in_the_middle_of_a_message_is_raised_after_it(tp2, reference, request):
     """SIGINT goes to a process, and the kernel may hand it to any thread; Python then raises KeyboardInterrupt in the
@@ -341,7 +464,7 @@ def test_two_tp2_engines_alive_at_once_close_and_garbage_collection(tp2, referen
 @pytest.mark.timeout(180)
 def test_worker_failure_during_load_is_raised(monkeypatch):
     before = our_children()
-    monkeypatch.setenv("MINIVLLM_TP_FAIL", "1:load")
+    inject_failure_env(monkeypatch, "1:load")
     with pytest.raises(RuntimeError) as info:
         LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
     message = str(info.value)
@@ -363,7 +486,7 @@ def test_worker_failure_or_death_ends_the_call_and_a_new_engine_works(monkeypatc
     3. a new engine works again; its rank 1 killed while the engine is idle (between two calls) fails the next step.
     After each, none of its workers is left."""
     before = our_children()
-    monkeypatch.setenv("MINIVLLM_TP_FAIL", "1:step")
+    inject_failure_env(monkeypatch, "1:step")
     llm = LLM(TINY_MODEL_PATH, tensor_parallel_size=2, **ENGINE)
     with pytest.raises(RuntimeError, match="rank 1 failed: RuntimeError: injected failure of rank 1 during step"):
         completions(llm)
@@ -536,7 +659,7 @@ def test_torchrun_rank_that_fails_ends_rank_0_with_its_error(tmp_path):
         tmp_path,
         TORCHRUN_SCRIPT,
         timeout=280,
-        env={"MINIVLLM_TP_FAIL": "1:step"},
+        env=fault_env("1:step"),
         args=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
     )
     assert run.returncode != 0
@@ -615,7 +738,7 @@ def test_gpu_tp2_cuda_graphs_match_eager_float32():
 def test_gpu_worker_failure_is_raised_and_the_gpus_come_back(monkeypatch, stage):
     folder, before = small_random_qwen3(), [gpu_memory_used(i) for i in range(2)]
     children = our_children()  # (torch.compile's workers of earlier tests, say)
-    monkeypatch.setenv("MINIVLLM_TP_FAIL", f"1:{stage}")
+    inject_failure_env(monkeypatch, f"1:{stage}")
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=f"rank 1 failed: RuntimeError: injected failure of rank 1 during {stage}"):
         gpu_tokens(folder, [[1, 2, 3]], 4, tensor_parallel_size=2)
@@ -676,7 +799,7 @@ def test_gpu_torchrun_rank_that_fails_ends_rank_0_with_its_error(tmp_path):
         tmp_path,
         body,
         timeout=200,
-        env={"MINIVLLM_TP_FAIL": "1:step"},
+        env=fault_env("1:step"),
         args=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
     )
     assert run.returncode != 0 and "rank 0 finished" not in run.stdout

@@ -21,7 +21,8 @@ IDLE_TIMEOUT = timedelta(days=365)  # ranks wait for the next step as long as th
 
 
 def set_comm_env() -> None:
-    "Communication settings for this process and the workers it starts (a value already set is kept)."
+    """The process-wide settings of NCCL and PyTorch's NCCL groups (`COMM_ENV`), in this process's environment; a value
+    already set is kept. `join_group` calls it in each rank's process, only before it makes an NCCL group (GPUs)."""
     for name, value in COMM_ENV.items():
         os.environ.setdefault(name, value)
 
@@ -80,7 +81,10 @@ def join_group(rank: int, size: int, device: torch.device, store: dist.Store | N
         control = dist.group.WORLD
     else:  # torchrun, and the script made its own world: a gloo group of our own beside it
         control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    device_group = dist.new_group(backend="nccl", device_id=device) if device.type == "cuda" else control
+    device_group = control
+    if device.type == "cuda":
+        set_comm_env()  # (read when the NCCL group is made, right below)
+        device_group = dist.new_group(backend="nccl", device_id=device)
     return TPGroup(rank, size, device_group, control)
 
 

@@ -5,20 +5,88 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import astuple, dataclass, fields
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..engine.step_inputs import StepInputs, StepSizes, numpy_views, step_nbytes
 from .parallel_state import TPGroup
 
 STOP, STEP = 0, 1
-HEADER_WORDS = 10  # command, payload bytes, then the step's own header (8 words)
 
 
-def send_step(header: list[int], payload: np.ndarray, tp: TPGroup) -> None:
-    dist.broadcast(torch.tensor([STEP, len(payload), *header], dtype=torch.int64), group=tp.control_group, group_src=0)
-    dist.broadcast(torch.from_numpy(payload), group=tp.control_group, group_src=0)
+@dataclass(frozen=True)
+class StepHeader:
+    "What rank 0 broadcasts before a step's payload, one int64 word a field: what a rank needs to view the payload."
+
+    command: int  # STEP, or STOP (then no payload follows)
+    payload_bytes: int
+    num_tokens: int = 0
+    num_sampled: int = 0
+    num_seqs: int = 0
+    width: int = 0  # of the block tables
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    ahead: int = 0  # 1: a step planned ahead
+    num_prompt_logits: int = 0
+
+    @classmethod
+    def of(cls, step: StepInputs) -> StepHeader:
+        sizes = step.sizes
+        return cls(
+            command=STEP,
+            payload_bytes=step_nbytes(sizes),
+            num_tokens=sizes.num_tokens,
+            num_sampled=sizes.num_sampled,
+            num_seqs=sizes.num_seqs,
+            width=sizes.width,
+            max_seqlen_q=step.max_seqlen_q,
+            max_seqlen_k=step.max_seqlen_k,
+            ahead=int(step.ahead),
+            num_prompt_logits=sizes.num_prompt_logits,
+        )
+
+    def to_words(self) -> torch.Tensor:
+        return torch.tensor(astuple(self), dtype=torch.int64)
+
+    @classmethod
+    def from_words(cls, words: torch.Tensor) -> StepHeader:
+        return cls(*words.tolist())
+
+    # %% ../../notebooks/12_tensor_parallel.ipynb #80e412d9
+    @property
+    def sizes(self) -> StepSizes:
+        return StepSizes(
+            num_tokens=self.num_tokens,
+            num_sampled=self.num_sampled,
+            num_seqs=self.num_seqs,
+            width=self.width,
+            num_prompt_logits=self.num_prompt_logits,
+        )
+
+    def unpack(self, payload: np.ndarray) -> StepInputs:
+        "The step again, from the packed bytes that followed this header: its arrays are views of `payload`."
+        return StepInputs(
+            **numpy_views(payload, self.sizes),
+            max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=self.max_seqlen_k,
+            ahead=bool(self.ahead),
+        )
+
+
+HEADER_WORDS = len(fields(StepHeader))  # the words on the wire: one a field
+
+# %% auto #0
+__all__ = ["STOP", "STEP", "HEADER_WORDS", "StepHeader", "send_step", "confirm_step", "send_stop", "recv_step"]
+
+
+# %% ../../notebooks/12_tensor_parallel.ipynb #085178c9
+def send_step(step: StepInputs, tp: TPGroup) -> None:
+    "Rank 0: a step to the other ranks, its header and then its packed arrays."
+    dist.broadcast(StepHeader.of(step).to_words(), group=tp.control_group, group_src=0)
+    dist.broadcast(torch.from_numpy(step.pack()), group=tp.control_group, group_src=0)
 
 
 def confirm_step(tp: TPGroup, check: Callable[[], None] | None = None) -> None:
@@ -32,20 +100,16 @@ def confirm_step(tp: TPGroup, check: Callable[[], None] | None = None) -> None:
 
 
 def send_stop(tp: TPGroup) -> None:
-    dist.broadcast(torch.zeros(HEADER_WORDS, dtype=torch.int64), group=tp.control_group, group_src=0)
+    dist.broadcast(StepHeader(command=STOP, payload_bytes=0).to_words(), group=tp.control_group, group_src=0)
 
 
-def recv_step(tp: TPGroup) -> tuple[list[int], np.ndarray] | None:
-    "Another rank: wait for rank 0's next step (its header and packed arrays); None when told to stop."
+def recv_step(tp: TPGroup) -> StepInputs | None:
+    "Another rank: wait for rank 0's next step; None when told to stop."
     words = torch.empty(HEADER_WORDS, dtype=torch.int64)
     dist.broadcast(words, group=tp.control_group, group_src=0)
-    command, nbytes, *header = words.tolist()
-    if command == STOP:
+    header = StepHeader.from_words(words)
+    if header.command == STOP:
         return None
-    payload = torch.empty(nbytes, dtype=torch.uint8)
+    payload = torch.empty(header.payload_bytes, dtype=torch.uint8)
     dist.broadcast(payload, group=tp.control_group, group_src=0)
-    return header, payload.numpy()
-
-
-# %% auto #0
-__all__ = ["STOP", "STEP", "HEADER_WORDS", "send_step", "confirm_step", "send_stop", "recv_step"]
+    return header.unpack(payload.numpy())

@@ -3,14 +3,38 @@
 # %% ../../notebooks/09_model_runner.ipynb #ec512aa3
 from __future__ import annotations
 
+from typing import Protocol, TypeVar, runtime_checkable
+
 from ..config import Config
 from ..sampling_params import SamplingParams
 from .model_runner import ModelRunner, StepHandle, StepLogprobs
 from .step_inputs import StepInputs
 
+Handle = TypeVar("Handle")  # what `launch` returns and `collect` takes back: each executor has its own
 
-class Executor:
-    "Runs the engine's steps on one `ModelRunner` in this process (notebook 12's executors: on several devices)."
+
+@runtime_checkable
+class Executor(Protocol[Handle]):
+    """What the engine runs its steps with, wherever they run (a protocol: any class with these members is one).
+    `launch` queues a step and returns a handle at once; `collect` waits for that step's tokens (in launch order)."""
+
+    num_blocks: int  # the KV cache's blocks (on every rank)
+
+    def add_request(self, seq_id: int, params: SamplingParams, prompt_token_ids: list[int]) -> None: ...
+
+    def free_request(self, seq_id: int) -> None: ...
+
+    def launch(self, step: StepInputs) -> Handle: ...
+
+    def collect(self, handle: Handle) -> tuple[list[int], StepLogprobs | None]: ...
+
+    def synchronize(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class InProcExecutor:
+    "An `Executor` that runs the steps on one `ModelRunner` in this process (notebook 12's: on several devices)."
 
     def __init__(self, config: Config, runner: ModelRunner | None = None):
         self.runner = runner or ModelRunner(config)
@@ -38,4 +62,4 @@ class Executor:
 
 
 # %% auto #0
-__all__ = ["Executor"]
+__all__ = ["Handle", "Executor", "InProcExecutor"]

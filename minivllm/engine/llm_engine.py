@@ -20,7 +20,7 @@ from ..config import Config, takes_engine_arguments
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from .batch_builder import BatchBuilder
-from .executor import Executor
+from .executor import Executor, InProcExecutor
 from .inputs import PromptType, checked_params, fit_to_model, load_tokenizer, prompt_token_ids
 from .lookahead import plan_lookahead
 from .scheduler import Scheduler, StepPlan
@@ -61,7 +61,7 @@ def default_sampling_params(config: Config) -> SamplingParams:
 def make_executor(config: Config) -> Executor:
     "One device: a runner in this process. Several (tensor parallelism, notebook 12): one process per device."
     if config.tensor_parallel_size == 1:
-        return Executor(config)
+        return InProcExecutor(config)
     from .multiproc_executor import make_tp_executor
 
     return make_tp_executor(config)

@@ -11,11 +11,15 @@ import time
 import weakref
 from multiprocessing.connection import wait
 
+import numpy as np
+
 from ..config import Config
-from ..distributed.launch import master_store, set_comm_env, torchrun_env
+from ..distributed.launch import master_store, torchrun_env
+from ..distributed.step_broadcast import StepHeader
 from ..sampling_params import SamplingParams
+from .model_runner import StepLogprobs
 from .step_inputs import StepInputs
-from .worker import run_worker, torchrun_rank
+from .worker import Collect, Command, Launch, Stop, Sync, TPExecutor, run_worker, torchrun_rank
 
 SPAWN_HINT = (
     "worker processes are started with multiprocessing's 'spawn' method, which imports the main script "
@@ -128,7 +132,7 @@ class MultiProcExecutor:
         self.added: list[tuple[int, SamplingParams, list[int]]] = []
         self.freed: list[int] = []
         try:
-            self.num_blocks = self._reply(None, start_timeout)  # rank 0 says "ready" once every rank has loaded
+            self.num_blocks: int = self._reply(None, start_timeout)  # rank 0 says "ready" once every rank has loaded
         except BaseException:
             self.workers.kill()
             self.workers.stop(10.0)
@@ -141,17 +145,17 @@ class MultiProcExecutor:
         self.freed.append(seq_id)
 
     def launch(self, step: StepInputs) -> int:
-        number = self._send("launch", step.header(), self.added, self.freed, payload=step.pack())
+        number = self._send(Launch, header=StepHeader.of(step), added=self.added, freed=self.freed, payload=step.pack())
         self.added, self.freed = [], []
         return number
 
-    def collect(self, handle: int):
+    def collect(self, handle: int) -> tuple[list[int], StepLogprobs | None]:
         "Rank 0's tokens of the oldest step not collected yet (`handle`: steps are collected in launch order)."
-        return self._reply(self._send("collect"))
+        return self._reply(self._send(Collect))
 
     def synchronize(self) -> None:
         if self.down is None and not self.closed:
-            self._reply(self._send("sync"))
+            self._reply(self._send(Sync))
 
     def close(self) -> None:
         "Tell rank 0 to stop (it tells the others), wait for every rank to exit."
@@ -159,20 +163,20 @@ class MultiProcExecutor:
             return
         try:
             if self.down is None and self.workers.failure is None:
-                self._send("stop")
+                self._send(Stop)
         finally:
             self.closed = True
             self.workers.stop(30.0)
 
     # %% ../../notebooks/12_tensor_parallel.ipynb #20d1cfff
-    def _send(self, kind: str, *args, payload=None) -> int:
+    def _send(self, command: type[Command], payload: np.ndarray | None = None, **fields) -> int:
         "Send rank 0 one request (numbered: its answer carries the number); Ctrl-C never cuts a message in half."
         self._check()
         self.number += 1
         caught, main = [], threading.current_thread() is threading.main_thread()  # (Python runs signal handlers there)
         previous = signal.signal(signal.SIGINT, lambda *sig: caught.append(sig)) if main else None
         try:
-            self.workers.rpc.send((kind, self.number, *args))
+            self.workers.rpc.send(command(number=self.number, **fields))
             if payload is not None:
                 self.workers.rpc.send_bytes(payload)
         except OSError:  # a broken pipe: rank 0 is gone
@@ -196,8 +200,8 @@ class MultiProcExecutor:
                 answer = self.workers.rpc.recv()
             except (EOFError, OSError):
                 self._lost()
-            if number is None or answer[0] == number:
-                return answer[1]
+            if number is None or answer.number == number:
+                return answer.value
 
     def _check(self) -> None:
         if self.closed:
@@ -222,8 +226,7 @@ class MultiProcExecutor:
 
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #9fe67c34
-def make_tp_executor(config: Config):
+def make_tp_executor(config: Config) -> MultiProcExecutor | TPExecutor:
     "Spawned workers, one per device; or, when torchrun started this process, its rank of torchrun's group."
-    set_comm_env()
     launched = torchrun_env()
     return MultiProcExecutor(config) if launched is None else torchrun_rank(config, launched)

@@ -10,8 +10,10 @@ import threading
 import time
 import traceback
 from collections import deque
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,23 +22,11 @@ import torch.distributed as dist
 from ..config import Config
 from ..distributed.launch import join_group, leave_group, torchrun_store
 from ..distributed.parallel_state import TPGroup
-from ..distributed.step_broadcast import confirm_step, recv_step, send_step, send_stop
-from .executor import Executor
+from ..distributed.step_broadcast import StepHeader, confirm_step, recv_step, send_step, send_stop
+from ..sampling_params import SamplingParams
+from .executor import InProcExecutor
 from .model_runner import ModelRunner, StepHandle
 from .step_inputs import StepInputs
-
-FAIL_ENV = "MINIVLLM_TP_FAIL"  # a test hook: "1:load" makes rank 1 raise while it loads, "1:step" at its first step
-
-
-def failure_hook(rank: int) -> str | None:
-    "The stage at which this rank should fail (read once, when the rank starts), or None."
-    spec = os.environ.get(FAIL_ENV, "")
-    return spec.split(":", 1)[1] if spec.startswith(f"{rank}:") else None
-
-
-def inject_failure(rank: int, stage: str, hook: str | None) -> None:
-    if hook == stage:
-        raise RuntimeError(f"injected failure of rank {rank} during {stage} ({FAIL_ENV})")
 
 
 def cpu_threads_per_rank(world_size: int) -> int:
@@ -46,11 +36,14 @@ def cpu_threads_per_rank(world_size: int) -> int:
 
 # %% auto #0
 __all__ = [
-    "FAIL_ENV",
-    "failure_hook",
-    "inject_failure",
+    "Command",
     "cpu_threads_per_rank",
     "TPExecutor",
+    "Launch",
+    "Collect",
+    "Sync",
+    "Stop",
+    "Reply",
     "follow",
     "serve_driver",
     "exit_with_parent",
@@ -62,7 +55,7 @@ __all__ = [
 
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #a2b7ba27
-class TPExecutor(Executor):
+class TPExecutor(InProcExecutor):
     "Rank 0 of a tensor-parallel group: each step goes to the other ranks, then runs here (`failure`: torchrun's)."
 
     def __init__(self, config: Config, runner: ModelRunner, tp: TPGroup, failure=None):
@@ -72,7 +65,7 @@ class TPExecutor(Executor):
     def launch(self, step: StepInputs) -> StepHandle:
         self._check()
         try:
-            send_step(step.header(), step.pack(), self.tp)
+            send_step(step, self.tp)
             if self.failure is not None:  # torchrun: every rank took the step before any device runs it
                 confirm_step(self.tp, self._check)
             return self.runner.execute(step)
@@ -103,40 +96,82 @@ class TPExecutor(Executor):
         leave_group(self.tp)
 
 
+# %% ../../notebooks/12_tensor_parallel.ipynb #4e2bfe2b
+@dataclass(frozen=True)
+class Launch:
+    "Run a step, after the requests added and freed since the last one; its packed arrays follow as raw bytes."
+
+    number: int
+    header: StepHeader
+    added: list[tuple[int, SamplingParams, list[int]]]
+    freed: list[int]
+
+
+@dataclass(frozen=True)
+class Collect:
+    "Answer with the tokens of the oldest launched step not collected yet."
+
+    number: int
+
+
+@dataclass(frozen=True)
+class Sync:
+    "Wait for every launched step, then answer."
+
+    number: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    "Close rank 0, which tells the other ranks to stop; no answer."
+
+    number: int
+
+
+Command = Launch | Collect | Sync | Stop
+
+
+@dataclass(frozen=True)
+class Reply:
+    "Rank 0's answer to request `number` (number 0: ready, every rank loaded; `value`: the number of KV blocks)."
+
+    number: int
+    value: Any
+
+
 # %% ../../notebooks/12_tensor_parallel.ipynb #f14e76a3
-def follow(runner: ModelRunner, tp: TPGroup, hook: str | None = None, confirm: bool = False) -> None:
+def follow(runner: ModelRunner, tp: TPGroup, confirm: bool = False) -> None:
     "Ranks >= 1: run each step rank 0 sends, the same way rank 0 does, until it says stop (`confirm`: torchrun's)."
-    while (message := recv_step(tp)) is not None:
-        inject_failure(tp.rank, "step", hook)
+    while (step := recv_step(tp)) is not None:
         if confirm:
             confirm_step(tp)
-        runner.execute(StepInputs.unpack(*message))
+        runner.execute(step)
 
 
-def serve_driver(executor: TPExecutor, conn: Connection, hook: str | None = None) -> None:
+def serve_driver(executor: TPExecutor, conn: Connection) -> None:
     "Rank 0 of spawned workers: serve the driver in order; answers carry their request's number (Ctrl-C may skip one)."
-    conn.send(("ready", executor.num_blocks))
+    conn.send(Reply(0, executor.num_blocks))
     handles: deque = deque()
     while True:
-        kind, number, *args = conn.recv()
-        if kind == "launch":
-            header, added, freed = args
-            for request in added:
-                executor.add_request(*request)
-            for seq_id in freed:
-                executor.free_request(seq_id)
-            payload = np.frombuffer(bytearray(conn.recv_bytes()), dtype=np.uint8)
-            inject_failure(0, "step", hook)
-            handles.append(executor.launch(StepInputs.unpack(header, payload)))
-        elif kind == "collect":
-            conn.send((number, executor.collect(handles.popleft())))
-        elif kind == "sync":
-            handles.clear()
-            executor.synchronize()
-            conn.send((number, None))
-        elif kind == "stop":
-            executor.close()
-            return
+        match conn.recv():
+            case Launch(header=header, added=added, freed=freed):
+                for request in added:
+                    executor.add_request(*request)
+                for seq_id in freed:
+                    executor.free_request(seq_id)
+                payload = np.frombuffer(bytearray(conn.recv_bytes()), dtype=np.uint8)
+                handles.append(executor.launch(header.unpack(payload)))
+            case Collect(number=number):
+                conn.send(Reply(number, executor.collect(handles.popleft())))
+            case Sync(number=number):
+                handles.clear()
+                executor.synchronize()
+                conn.send(Reply(number, None))
+            case Stop():
+                executor.close()
+                return
+            case unknown:
+                raise TypeError(f"rank 0 got a request it does not know: {unknown!r}")
 
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #f8aa3195
@@ -158,16 +193,15 @@ def run_worker(config: Config, rank: int, store_port: int, status: Connection, r
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         status.send(("hello", rank))
-        hook, size = failure_hook(rank), config.tensor_parallel_size
+        size = config.tensor_parallel_size
         device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         torch.cuda.set_device(device) if device.type == "cuda" else torch.set_num_threads(cpu_threads_per_rank(size))
         tp = join_group(rank, size, device, dist.TCPStore("127.0.0.1", store_port, size, is_master=False))
-        inject_failure(rank, "load", hook)
         runner = ModelRunner(config, rank, tp)
         if rank == 0:
-            serve_driver(TPExecutor(config, runner, tp), rpc, hook)
+            serve_driver(TPExecutor(config, runner, tp), rpc)
         else:
-            follow(runner, tp, hook)
+            follow(runner, tp)
             runner.close()
             leave_group(tp)
     except BaseException as e:
@@ -240,18 +274,13 @@ def torchrun_rank(config: Config, launched) -> TPExecutor:
     torch.cuda.set_device(device) if device.type == "cuda" else torch.set_num_threads(
         cpu_threads_per_rank(launched.world_size)
     )
-    tp, store, hook = (
-        join_group(launched.rank, launched.world_size, device),
-        torchrun_store(),
-        failure_hook(launched.rank),
-    )
+    tp, store = join_group(launched.rank, launched.world_size, device), torchrun_store()
     if launched.rank == 0:
         return TPExecutor(config, ModelRunner(config, launched.local_rank, tp), tp, FailureWatch(store))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     try:
-        inject_failure(launched.rank, "load", hook)
         runner = ModelRunner(config, launched.local_rank, tp)
-        follow(runner, tp, hook, confirm=True)
+        follow(runner, tp, confirm=True)
         runner.close()
         leave_group(tp)
     except BaseException as e:
