@@ -928,15 +928,20 @@ def test_norm_gemv_and_the_decoder_layers_one_row_path_on_gpu():
         torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("value, on", [(None, True), ("0", False)])
+@pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("0", False)])
 def test_minivllm_pdl_switches_early_launch(value, on):
-    "Early launch is on unless MINIVLLM_PDL=0 (read once, at import)."
-    env = {k: v for k, v in os.environ.items() if k != "MINIVLLM_PDL"} | (
+    "MINIVLLM_PDL=0 (read once, at import) keeps a one-row step on a capable GPU from launching early."
+    env = {k: v for k, v in os.environ.items() if k not in ("MINIVLLM_PDL", "TRITON_INTERPRET")} | (
         {} if value is None else {"MINIVLLM_PDL": value}
     )
-    code = "from minivllm.kernels import common; print(common.ENABLE_PDL)"
+    code = (
+        "import torch\n"
+        "from minivllm.kernels import common\n"
+        "common._pdl_capable = lambda index: True\n"  # a Hopper GPU, as far as the decision goes
+        "print(common.use_pdl(torch.device('cuda', 0), 1), common.use_pdl(torch.device('cuda', 0), 2))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == str(on)
+    assert out.stdout.split() == [str(on), "False"]
 
 
 def test_early_launch_only_on_a_capable_gpu_for_one_row(monkeypatch):

@@ -90,10 +90,20 @@ def test_the_server_modules_import_with_the_serve_extra():
 
     for name in sorted(SERVER):
         importlib.import_module(name)
-    from minivllm.entrypoints.api_server import build_app
-    from minivllm.entrypoints.cli import serve
+    from fastapi import FastAPI
 
-    assert callable(build_app) and callable(serve)
+    from minivllm.entrypoints.api_server import add_routes
+    from minivllm.entrypoints.cli import parse_serve_args
+
+    app = FastAPI()
+    add_routes(app)  # the routes of vLLM's OpenAI-compatible server that minivllm serves
+    paths = {(method, route.path) for route in app.routes for method in getattr(route, "methods", ())}
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        assert ("POST", path) in paths
+    for path in ("/health", "/metrics", "/v1/models", "/v1/models/{model_id:path}", "/version"):
+        assert ("GET", path) in paths
+    args = parse_serve_args(["some/model", "--port", "8123"])
+    assert args.model == "some/model" and args.port == 8123
 
 
 def test_star_import_gives_the_public_api():
