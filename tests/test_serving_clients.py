@@ -5,10 +5,8 @@ CPU):
   `token_logprobs` of the answer's tokens. The request bodies and the parsing here are lm-eval's own (its
   `LocalCompletionsAPI._create_payload` and `parse_logprobs`); the reference is its `hf` backend's arithmetic
   (log-softmax of transformers' logits, float32): per-sample loglikelihoods within 1e-4, the same greedy flags and
-  the same chosen answers. (lm-eval itself is not installed: with its dependencies, datasets, pyarrow, pandas,
-  scikit-learn, sacrebleu and more, it is about 500 MB, too heavy for this suite; these are the exact requests it
-  sends. Run once by hand, lm_eval --model local-completions against `minivllm serve` and --model hf on a local task
-  of these questions agreed within 7e-6 per sample.)
+  the same chosen answers. (tests/test_real_clients.py runs lm-eval itself, both backends, on these questions and one
+  more, tests/data/code_mc.jsonl, and guidellm too; the replays here are quick and name the field that breaks.)
 - `echo` alone and with logprobs, `max_tokens` 0 or more, streamed or not, and `prompt_logprobs`, in vLLM's shape;
 - guidellm 0.8.1's request bodies for both endpoints (streamed, `stream_options.continuous_usage_stats`, chat content as
   a list of text parts) work, with usage on every chunk; fields that change nothing are ignored with a warning in the
