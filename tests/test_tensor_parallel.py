@@ -36,8 +36,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
-from minivllm.config import Config
+from minivllm import LLM, TINY_MODEL_PATH, EngineArgs, SamplingParams
 from minivllm.distributed.launch import (
     COMM_ENV,
     TorchrunEnv,
@@ -229,7 +228,7 @@ def test_comm_env_is_set_without_overriding_the_user(monkeypatch):
 
 
 def test_torchrun_world_size_must_match():
-    config = Config(TINY_MODEL_PATH, tensor_parallel_size=2, device="cpu")
+    config = EngineArgs(TINY_MODEL_PATH, tensor_parallel_size=2, device="cpu").resolve()
     with pytest.raises(ValueError, match="torchrun started 4 processes, but tensor_parallel_size is 2"):
         torchrun_rank(config, TorchrunEnv(rank=0, world_size=4, local_rank=0))
 
@@ -252,7 +251,9 @@ def test_ranks_agree_on_the_smallest_kv_cache(rank_pool):
 
     budgets = [0.01, 0.02]
     blocks = rank_pool.run("_tp_kv_worker", "run", budgets, timeout=120)
-    small = Config(TINY_MODEL_PATH, tensor_parallel_size=2, device="cpu", max_model_len=256, max_num_seqs=256)
+    small = EngineArgs(
+        TINY_MODEL_PATH, tensor_parallel_size=2, device="cpu", max_model_len=256, max_num_seqs=256
+    ).resolve()
     expected = num_kv_blocks(small, int(budgets[0] * 2**30))
     assert blocks == {0: expected, 1: expected}
     assert expected < num_kv_blocks(small, int(budgets[1] * 2**30))
