@@ -4,6 +4,7 @@
 __all__ = []
 
 # %% ../notebooks/10_llm_engine.ipynb #305420ff
+from .engine_args import EngineArgs  # (notebook 09)
 from .entrypoints.async_llm import AsyncLLM  # (notebook 11)
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestOutput
@@ -13,6 +14,7 @@ from .tiny_model import TINY_MODEL_PATH
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "EngineArgs",
     "SamplingParams",
     "RequestOutputKind",
     "RequestOutput",

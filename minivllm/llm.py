@@ -10,8 +10,8 @@ from numbers import Integral
 
 from tqdm.auto import tqdm
 
-from .config import takes_engine_arguments
 from .engine.llm_engine import LLMEngine, PromptType
+from .engine_args import takes_engine_arguments
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 

@@ -15,9 +15,9 @@ def run(rank: int, budgets: list[float]) -> int:
     import torch.distributed as dist
 
     from minivllm import TINY_MODEL_PATH
-    from minivllm.config import Config
     from minivllm.distributed.launch import join_group, leave_group, master_store
     from minivllm.engine.model_runner import ModelRunner
+    from minivllm.engine_args import EngineArgs
 
     if rank == 0:
         store = master_store(2)
@@ -26,14 +26,14 @@ def run(rank: int, budgets: list[float]) -> int:
         store = dist.TCPStore("127.0.0.1", _rank_pool.exchange.get(timeout=120), 2, is_master=False)
     tp = join_group(rank, 2, torch.device("cpu"), store)
     try:
-        config = Config(
+        config = EngineArgs(
             TINY_MODEL_PATH,
             tensor_parallel_size=2,
             device="cpu",
             max_model_len=256,
             max_num_seqs=256,
             cpu_kvcache_space_gib=budgets[rank],
-        )
+        ).resolve()
         runner = ModelRunner(config, rank, tp)
         blocks = runner.num_blocks
         runner.close()

@@ -156,14 +156,14 @@ def test_the_wheel_holds_what_an_install_needs(tmp_path):
 
 
 def test_llm_and_llm_engine_show_the_engine_arguments():
-    "help(LLM), Shift-Tab and inspect see Config's fields with their defaults, not a bare **kwargs."
+    "help(LLM), Shift-Tab and inspect see EngineArgs' fields with their defaults, not a bare **kwargs."
     import dataclasses
     import inspect
 
-    from minivllm.config import Config
     from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.engine_args import EngineArgs
 
-    expected = {f.name: f.default for f in dataclasses.fields(Config) if f.name not in ("model", "hf_config")}
+    expected = {f.name: f.default for f in dataclasses.fields(EngineArgs) if f.name not in ("model", "hf_config")}
     for cls in (minivllm.LLM, LLMEngine):
         params = inspect.signature(cls).parameters
         assert list(params)[0] == "model" and params["model"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD

@@ -42,8 +42,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minivllm
-from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
-from minivllm.config import Config
+from minivllm import LLM, TINY_MODEL_PATH, EngineArgs, SamplingParams
 from minivllm.distributed.launch import (
     COMM_ENV,
     TorchrunEnv,
@@ -341,7 +340,7 @@ def test_comm_env_is_set_without_overriding_the_user(monkeypatch):
 
 
 def test_torchrun_world_size_must_match():
-    config = Config(TINY_MODEL_PATH, tensor_parallel_size=2, device="cpu")
+    config = EngineArgs(TINY_MODEL_PATH, tensor_parallel_size=2, device="cpu").resolve()
     with pytest.raises(ValueError, match="torchrun started 4 processes, but tensor_parallel_size is 2"):
         torchrun_rank(config, TorchrunEnv(rank=0, world_size=4, local_rank=0))
 
@@ -364,7 +363,9 @@ def test_ranks_agree_on_the_smallest_kv_cache(rank_pool):
 
     budgets = [0.01, 0.02]
     blocks = rank_pool.run("_tp_kv_worker", "run", budgets, timeout=120)
-    small = Config(TINY_MODEL_PATH, tensor_parallel_size=2, device="cpu", max_model_len=256, max_num_seqs=256)
+    small = EngineArgs(
+        TINY_MODEL_PATH, tensor_parallel_size=2, device="cpu", max_model_len=256, max_num_seqs=256
+    ).resolve()
     expected = num_kv_blocks(small, int(budgets[0] * 2**30))
     assert blocks == {0: expected, 1: expected}
     assert expected < num_kv_blocks(small, int(budgets[1] * 2**30))
@@ -401,7 +402,7 @@ def test_tp2_matches_tp1(tp2, reference):
 def test_every_executor_is_an_executor(tp2):
     "At run time too (`Executor` is runtime-checkable): the engine's `MultiProcExecutor`, an `InProcExecutor`."
     llm, _ = tp2
-    in_process = InProcExecutor(Config(TINY_MODEL_PATH, **ENGINE))
+    in_process = InProcExecutor(EngineArgs(TINY_MODEL_PATH, **ENGINE).resolve())
     try:
         assert isinstance(llm.llm_engine.executor, Executor) and isinstance(in_process, Executor)
         assert isinstance(RecordingExecutor(), Executor) and not isinstance(object(), Executor)

@@ -16,7 +16,8 @@ from minivllm.engine.output_processor import (
     decode_options,
 )
 
-from ..config import Config, takes_engine_arguments
+from ..config import EngineConfig
+from ..engine_args import EngineArgs, takes_engine_arguments
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from .batch_builder import BatchBuilder
@@ -48,7 +49,7 @@ class InFlightStep:
     handle: object  # what the executor's `collect` needs to finish it
 
 
-def default_sampling_params(config: Config) -> SamplingParams:
+def default_sampling_params(config: EngineConfig) -> SamplingParams:
     "What `generate(prompts)` samples with: vLLM's defaults, overridden by the checkpoint's generation_config.json."
     try:
         return SamplingParams(**config.default_sampling_params)
@@ -58,7 +59,7 @@ def default_sampling_params(config: Config) -> SamplingParams:
         ) from None
 
 
-def make_executor(config: Config) -> Executor:
+def make_executor(config: EngineConfig) -> Executor:
     "One device: a runner in this process. Several (tensor parallelism, notebook 12): one process per device."
     if config.tensor_parallel_size == 1:
         return InProcExecutor(config)
@@ -77,20 +78,20 @@ class LLMEngine:
 
     @takes_engine_arguments
     def __init__(self, model: str, **kwargs):
-        self.config = c = Config.from_kwargs(model, **kwargs)
+        self.config = c = EngineArgs.from_kwargs(model, **kwargs).resolve()  # the request, then what runs (09)
         tokenizer_path = c.tokenizer or c.model  # (a folder, or the GGUF file itself)
         self.tokenizer = None if c.skip_tokenizer_init else load_tokenizer(tokenizer_path, c.hf_config.vocab_size)
         self.executor = make_executor(c)
         try:  # from here on a failure must not keep the model's memory (a notebook keeps the traceback alive)
             self.scheduler = Scheduler(
                 self.executor.num_blocks,
-                c.block_size,
-                c.max_num_seqs,
-                c.max_num_batched_tokens,
-                c.max_model_len,
-                c.eos_token_ids,
-                c.enable_chunked_prefill,
-                c.enable_prefix_caching,
+                block_size=c.block_size,
+                max_num_seqs=c.max_num_seqs,
+                max_num_batched_tokens=c.max_num_batched_tokens,
+                max_model_len=c.max_model_len,
+                eos_token_id=c.eos_token_ids,
+                enable_chunked_prefill=c.enable_chunked_prefill,
+                enable_prefix_caching=c.enable_prefix_caching,
             )
             self.builder = BatchBuilder(c.block_size, c.max_model_len, c.max_num_seqs, c.cascade)
             self.outputs = OutputProcessor(self.tokenizer, self.scheduler)

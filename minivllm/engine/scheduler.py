@@ -91,12 +91,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        eos_token_id: int | list[int] | None = None,
+        eos_token_id: int | list[int] | tuple[int, ...] | None = None,
+        *,
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
         policy: str = "mixed",
     ):
-        "The limits come validated by the engine's `Config` (notebook 09), or are the notebooks' own."
+        "The limits come checked by the engine's `EngineArgs` (notebook 09), or are the notebooks' own."
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.block_size, self.max_num_seqs, self.max_model_len = block_size, max_num_seqs, max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -1,0 +1,67 @@
+"""The request and what runs (notebook 09, project issue 47): `EngineArgs` is checked data that reads no file;
+`resolve()` does the I/O once and returns a frozen `EngineConfig`; `Config` still works for one release, with a
+warning; the scheduler's options go by name."""
+
+import dataclasses
+import json
+import shutil
+import typing
+import warnings
+
+import pytest
+import torch
+
+from minivllm import TINY_MODEL_PATH, EngineArgs
+from minivllm.config import EngineConfig
+from minivllm.engine.scheduler import Scheduler
+
+
+def test_a_request_is_checked_data_that_reads_no_file():
+    "Made, compared and varied without a model folder: the checks that need one wait for resolve()."
+    args = EngineArgs("/no/such/folder", device="cpu", max_model_len=128)
+    assert args == EngineArgs.from_kwargs("/no/such/folder", device="cpu", max_model_len=128)
+    assert dataclasses.replace(args, max_num_seqs=8) != args
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.max_num_seqs = 8
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        dataclasses.replace(args, block_size=12)
+    with pytest.raises(ValueError, match="model path '/no/such/folder' is not a folder"):
+        args.resolve()
+
+
+def test_resolve_gives_a_frozen_config_of_decisions(tmp_path):
+    "Every field declared and decided; generation_config.json read once, so a later edit of the file changes nothing."
+    folder = tmp_path / "model"
+    shutil.copytree(TINY_MODEL_PATH, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2], "temperature": 0.6}))
+    config = EngineArgs(str(folder), device="cpu", attention_backend="torch").resolve()
+    hints = typing.get_type_hints(EngineConfig)
+    assert {f.name for f in dataclasses.fields(EngineConfig)} == set(hints)
+    assert (config.device, config.dtype, config.cache_dtype) == ("cpu", torch.float32, torch.float32)
+    assert (config.decode_backend, config.prefill_backend, config.attention_backend) == ("torch",) * 3
+    assert config.torch_dtype is config.dtype and config.max_model_len == min(
+        4096, config.hf_config.max_position_embeddings
+    )
+    assert config.eos_token_ids == (0, 2) and config.default_sampling_params == {"temperature": 0.6}
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.1}))
+    assert config.default_sampling_params == {"temperature": 0.6}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_num_seqs = 8
+
+
+def test_config_is_deprecated_and_resolves():
+    with pytest.warns(DeprecationWarning, match="EngineArgs"):
+        from minivllm.config import Config
+
+        config = Config(TINY_MODEL_PATH, device="cpu", max_model_len=64)
+    assert config == EngineArgs(TINY_MODEL_PATH, device="cpu", max_model_len=64).resolve()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        EngineArgs(TINY_MODEL_PATH, device="cpu").resolve()  # the new way warns of nothing
+
+
+def test_the_schedulers_options_go_by_name():
+    limits = dict(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=16)
+    assert not Scheduler(**limits, enable_chunked_prefill=False).enable_chunked_prefill
+    with pytest.raises(TypeError):
+        Scheduler(*limits.values(), None, False)
