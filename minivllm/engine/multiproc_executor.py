@@ -13,7 +13,7 @@ from multiprocessing.connection import wait
 
 import numpy as np
 
-from ..config import Config
+from ..config import EngineConfig
 from ..distributed.launch import master_store, torchrun_env
 from ..distributed.step_broadcast import StepHeader
 from ..sampling_params import SamplingParams
@@ -35,7 +35,7 @@ def exit_reason(code: int | None) -> str:  # (None: reaped by someone else, the 
 class Workers:
     "Spawned ranks and a watch thread: a rank's first error or death kills them all (this process joins no collective)."
 
-    def __init__(self, config: Config, store_port: int):
+    def __init__(self, config: EngineConfig, store_port: int):
         ctx, self.procs, self.status = mp.get_context("spawn"), {}, {}
         self.rpc, rpc_child = ctx.Pipe()
         try:
@@ -124,7 +124,7 @@ __all__ = ["SPAWN_HINT", "STEP_TIMEOUT", "exit_reason", "Workers", "MultiProcExe
 class MultiProcExecutor:
     "Tensor parallelism over worker processes, one per device: this process sends rank 0 the steps, it passes them on."
 
-    def __init__(self, config: Config, start_timeout: float = 300.0):
+    def __init__(self, config: EngineConfig, start_timeout: float = 300.0):
         self.store = master_store(config.tensor_parallel_size)  # where the ranks meet (it lives as long as they do)
         self.workers = Workers(config, self.store.port)
         weakref.finalize(self, self.workers.stop, 0.0)  # an executor dropped without close() still ends its workers
@@ -226,7 +226,7 @@ class MultiProcExecutor:
 
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #9fe67c34
-def make_tp_executor(config: Config) -> MultiProcExecutor | TPExecutor:
+def make_tp_executor(config: EngineConfig) -> MultiProcExecutor | TPExecutor:
     "Spawned workers, one per device; or, when torchrun started this process, its rank of torchrun's group."
     launched = torchrun_env()
     return MultiProcExecutor(config) if launched is None else torchrun_rank(config, launched)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import EngineConfig
 from ..distributed.launch import join_group, leave_group, torchrun_store
 from ..distributed.parallel_state import TPGroup
 from ..distributed.step_broadcast import StepHeader, confirm_step, recv_step, send_step, send_stop
@@ -58,7 +58,7 @@ __all__ = [
 class TPExecutor(InProcExecutor):
     "Rank 0 of a tensor-parallel group: each step goes to the other ranks, then runs here (`failure`: torchrun's)."
 
-    def __init__(self, config: Config, runner: ModelRunner, tp: TPGroup, failure=None):
+    def __init__(self, config: EngineConfig, runner: ModelRunner, tp: TPGroup, failure=None):
         super().__init__(config, runner)
         self.tp, self.failure = tp, failure
 
@@ -187,7 +187,7 @@ def exit_with_parent(status: Connection) -> None:
     threading.Thread(target=watch, name="minivllm-parent-watch", daemon=True).start()
 
 
-def run_worker(config: Config, rank: int, store_port: int, status: Connection, rpc: Connection | None) -> None:
+def run_worker(config: EngineConfig, rank: int, store_port: int, status: Connection, rpc: Connection | None) -> None:
     "A spawned rank: join, load its shard, serve the driver (rank 0) or follow rank 0; errors go on the `status` pipe."
     exit_with_parent(status)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -263,7 +263,7 @@ def report_failure(store: dist.Store, tp: TPGroup, error: BaseException) -> None
 
 
 # %% ../../notebooks/12_tensor_parallel.ipynb #4526c26a
-def torchrun_rank(config: Config, launched) -> TPExecutor:
+def torchrun_rank(config: EngineConfig, launched) -> TPExecutor:
     "This torchrun rank: rank 0 returns its executor; the others serve it inside the LLM constructor, then exit."
     if launched.world_size != config.tensor_parallel_size:
         raise ValueError(
