@@ -31,6 +31,7 @@ from minivllm.layers.moe import FusedMoE
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels on a GPU, else interpreted on the CPU
 FAST_PATHS = ("one_row_gemv", "norms_in_products", "fused_qk_norm_rope", "triton_activation", "fused_moe")
 
 
@@ -128,7 +129,7 @@ def test_a_new_policy_drops_the_kept_decode_batch():
 def with_cache(model: Qwen3ForCausalLM, num_blocks: int, block_size: int) -> None:
     for m in model.modules():
         if isinstance(m, Attention):
-            m.k_cache = torch.zeros(num_blocks, block_size, m.num_kv_heads, m.head_dim)
+            m.k_cache = torch.zeros(num_blocks, block_size, m.num_kv_heads, m.head_dim, device=DEVICE)
             m.v_cache = torch.zeros_like(m.k_cache)
 
 
@@ -137,14 +138,14 @@ def run_steps(model: Qwen3ForCausalLM, steps, block_size: int = 4) -> list[torch
     outs = []
     with torch.no_grad():
         for ids, positions, q_lens, ctx_lens, tables in steps:
-            meta = AttentionMetadata.build(q_lens, ctx_lens, tables, block_size)
-            outs.append(model.compute_logits(model(ids, positions, meta)))
+            meta = AttentionMetadata.build(q_lens, ctx_lens, tables, block_size, device=DEVICE)
+            outs.append(model.compute_logits(model(ids.to(DEVICE), positions.to(DEVICE), meta)).cpu())
     return outs
 
 
 def test_the_gpu_policy_gives_the_reference_numbers_through_the_interpreted_kernels():
-    """Every GPU fast path, taken on a CPU by the GPU's policy (Triton interpreted): a mixed prefill step of two
-    sequences, then a decode step of one token (one-row `gemv`, norms in the products, the fused K/V write)."""
+    """Every GPU fast path, taken by the GPU's policy (on a CPU, Triton interpreted): a mixed prefill step of two
+    sequences, then decode steps of one token (one-row `gemv`, norms in the products, the fused K/V write)."""
     torch.manual_seed(1)
     tables = [[3, 0], [5, 1]]
     ids = torch.randint(0, 96, (9,))
@@ -158,9 +159,9 @@ def test_the_gpu_policy_gives_the_reference_numbers_through_the_interpreted_kern
         ("reference", KernelPolicy()),
         ("gpu", kernel_policy("cuda", torch.float32, "triton", "triton")),
     ]:
-        model = apply_policy(small_qwen3(), policy)
+        model = apply_policy(small_qwen3().to(DEVICE), policy)
         with_cache(model, 6, 4)
-        outs[name] = run_steps(model, steps), model.model.layers[1].self_attn.attn.k_cache.clone()
+        outs[name] = run_steps(model, steps), model.model.layers[1].self_attn.attn.k_cache.cpu()
     for got, want in zip(outs["gpu"][0], outs["reference"][0]):
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(outs["gpu"][1], outs["reference"][1], atol=1e-5, rtol=1e-5)
