@@ -42,6 +42,7 @@ from minivllm.kernels.torch_attention import (
     varlen_attention_torch,
 )
 from minivllm.layers.attention import Attention, AttentionMetadata  # noqa: E402
+from minivllm.layers.attention_backends.base import make_attention_backend  # noqa: E402
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -469,7 +470,7 @@ def test_select_backend_on_cuda():
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_attention_layer_mixed_step(backend, block_size):
     step = Step(MIXED["q_lens"], MIXED["ctx_lens"], block_size, heads=4, kv_heads=2, seed=block_size, device=DEVICE)
-    attn = Attention(4, 8, step.scale, 2, backend=backend)
+    attn = Attention(4, 8, step.scale, 2, backend=make_attention_backend(backend))
     attn.k_cache, attn.v_cache = step.k_cache, step.v_cache
     out = attn(step.q, step.k, step.v, step.ctx)
     torch.testing.assert_close(out.cpu(), step.dense(), **TOL)
@@ -482,8 +483,8 @@ def test_attention_layer_decode_step(backend, monkeypatch):
     "A decode-only step (one token per sequence) with the backend chosen from MINIVLLM_ATTENTION_BACKEND."
     monkeypatch.setenv(BACKEND_ENV, backend)
     step = Step([1, 1, 1], [5, 17, 1], 4, heads=8, kv_heads=2, seed=9, device=DEVICE)
-    attn = Attention(8, 8, step.scale, 2, backend=select_backend(DEVICE, 4))
-    assert attn.backend == backend and step.ctx.is_decode_only
+    attn = Attention(8, 8, step.scale, 2, backend=make_attention_backend(select_backend(DEVICE, 4)))
+    assert attn.backend.name == backend and step.ctx.is_decode_only
     attn.k_cache, attn.v_cache = step.k_cache, step.v_cache
     torch.testing.assert_close(attn(step.q, step.k, step.v, step.ctx).cpu(), step.dense(), **TOL)
 
@@ -491,7 +492,7 @@ def test_attention_layer_decode_step(backend, monkeypatch):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_attention_layer_without_cache(backend):
     step = Step([7, 3, 12], [7, 3, 12], 4, heads=4, kv_heads=1, seed=11, device=DEVICE)
-    attn = Attention(4, 8, step.scale, 1, backend=backend)
+    attn = Attention(4, 8, step.scale, 1, backend=make_attention_backend(backend))
     whole = [t.to(DEVICE) for t in step.full[2]]
     torch.testing.assert_close(attn(*whole).cpu(), dense_causal(*step.full[2], step.scale), **TOL)  # no metadata
     meta = AttentionMetadata(step.ctx.cu_seqlens_q, step.ctx.cu_seqlens_k, max_seqlen_q=12, max_seqlen_k=12)
@@ -499,23 +500,30 @@ def test_attention_layer_without_cache(backend):
 
 
 def test_attention_layer_runs_decode_steps_on_backend_and_the_others_on_prefill_backend(monkeypatch):
-    import minivllm.layers.attention as attention
+    triton, plain = make_attention_backend("triton"), make_attention_backend("torch")
+    used = []
 
-    used, real = [], attention.paged_attention
+    def recording(backend, method):
+        real = getattr(type(backend), method)
 
-    def recording(*args):
-        used.append(args[-1])  # the backend it was called with
-        return real(*args)
+        def record(self, *args):
+            used.append((self.name, method))  # the backend and the call
+            return real(self, *args)
 
-    monkeypatch.setattr(attention, "paged_attention", recording)
+        monkeypatch.setattr(type(backend), method, record)
+
+    for backend in (triton, plain):
+        for method in ("store_kv", "decode", "prefill", "varlen"):
+            recording(backend, method)
     decode = Step([1, 1], [5, 9], 4, heads=4, kv_heads=2, seed=3, device=DEVICE)
     mixed = Step(MIXED["q_lens"], MIXED["ctx_lens"], 4, heads=4, kv_heads=2, seed=4, device=DEVICE)
-    attn = Attention(4, 8, decode.scale, 2, backend="triton", prefill_backend="torch")
+    attn = Attention(4, 8, decode.scale, 2, backend=triton, prefill_backend=plain)
     assert "backend=triton, prefill_backend=torch" in repr(attn)
     for step in (decode, mixed):
         attn.k_cache, attn.v_cache = step.k_cache, step.v_cache
         torch.testing.assert_close(attn(step.q, step.k, step.v, step.ctx).cpu(), step.dense(), **TOL)
-    assert used == ["triton", "torch"]
+    assert [backend for backend, method in used if method != "store_kv"] == ["triton", "torch"]
+    assert used == [("triton", "store_kv"), ("triton", "decode"), ("torch", "store_kv"), ("torch", "prefill")]
 
 
 def test_attention_is_an_nn_module_without_cache_state():
@@ -540,11 +548,12 @@ def test_flash_attn_backend_matches_reference(block_size):
             setattr(step, name, getattr(step, name).to(torch.bfloat16))
         outs = {}
         for backend in ("flash_attn", "torch"):
-            attn = Attention(16, 128, step.scale, 8, backend=backend)
+            attn = Attention(16, 128, step.scale, 8, backend=make_attention_backend(backend))
             attn.k_cache, attn.v_cache = step.k_cache.clone(), step.v_cache.clone()
             outs[backend] = attn(step.q, step.k, step.v, step.ctx).float()
         torch.testing.assert_close(outs["flash_attn"], outs["torch"], **bf16)
-        no_cache = Attention(16, 128, step.scale, 8, backend="flash_attn")  # the warm-up's path: K/V token by token
+        # the warm-up's path: K/V token by token
+        no_cache = Attention(16, 128, step.scale, 8, backend=make_attention_backend("flash_attn"))
         whole = [t.to(torch.bfloat16) for t in step.full[0]]
         torch.testing.assert_close(
             no_cache(*[t.cuda() for t in whole]).float().cpu(),

@@ -853,9 +853,11 @@ def test_silu_mul_matches_the_plain_expression():
 def test_gemv_and_silu_mul_at_qwen3_shapes_on_gpu():
     "bfloat16 at Qwen3-0.6B's four products, and the layers that dispatch to the kernels for one row."
     from minivllm.layers.activation import SiluAndMul
+    from minivllm.layers.kernel_policy import apply_policy, kernel_policy
     from minivllm.layers.linear import ReplicatedLinear
     from minivllm.models.qwen3 import Qwen3MLP
 
+    gpu = kernel_policy("cuda", torch.bfloat16, "triton")  # the layers dispatch to the kernels as an engine's do
     g = torch.Generator(device="cuda").manual_seed(0)
     for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]:
         x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
@@ -868,15 +870,17 @@ def test_gemv_and_silu_mul_at_qwen3_shapes_on_gpu():
             )
     x = torch.randn(16384, 6144, device="cuda", generator=g).bfloat16()
     torch.testing.assert_close(silu_mul(x).float(), plain_silu_and_mul(x), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(SiluAndMul()(x).float(), plain_silu_and_mul(x), atol=2e-2, rtol=2e-2)
-    layer = ReplicatedLinear(1024, 4096).cuda().bfloat16()
+    act = apply_policy(SiluAndMul(), gpu)
+    assert act.triton_kernel
+    torch.testing.assert_close(act(x).float(), plain_silu_and_mul(x), atol=2e-2, rtol=2e-2)
+    layer = apply_policy(ReplicatedLinear(1024, 4096).cuda().bfloat16(), gpu)
     torch.nn.init.normal_(layer.weight, std=0.03)
     for rows in (1, 3):  # one row: gemv; three: cuBLAS
         x = torch.randn(rows, 1024, device="cuda", generator=g).bfloat16()
         torch.testing.assert_close(
             layer(x).float(), torch.nn.functional.linear(x.float(), layer.weight.float()), atol=2e-2, rtol=2e-2
         )
-    mlp = Qwen3MLP(1024, 3072).cuda().bfloat16()
+    mlp = apply_policy(Qwen3MLP(1024, 3072).cuda().bfloat16(), gpu)
     for p in mlp.parameters():
         torch.nn.init.normal_(p, std=0.03)
     x = torch.randn(1, 1024, device="cuda", generator=g).bfloat16()
@@ -891,6 +895,7 @@ def test_norm_gemv_and_the_decoder_layers_one_row_path_on_gpu():
     "bfloat16 at Qwen3-0.6B's normed products; a decoder layer's one-row path against its plain path."
     from transformers import Qwen3Config
 
+    from minivllm.layers.kernel_policy import apply_policy, kernel_policy
     from minivllm.layers.layernorm import add_rms_norm
     from minivllm.layers.rotary_embedding import get_rope
     from minivllm.models.qwen3 import Qwen3DecoderLayer
@@ -917,6 +922,7 @@ def test_norm_gemv_and_the_decoder_layers_one_row_path_on_gpu():
     layer = Qwen3DecoderLayer(config, get_rope(128, 128, 4096, 1e6)).cuda()  # float32: the paths differ only in
     for p in layer.parameters():  # the order of their sums
         torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.03)
+    apply_policy(layer, kernel_policy("cuda", torch.float32, "triton"))  # a GPU engine's fast paths
     x, res = (torch.randn(1, 1024, device="cuda", generator=g) for _ in range(2))
     pos = torch.tensor([5], device="cuda")
     assert layer.norms_in_products(x)

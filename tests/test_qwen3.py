@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 from minivllm.layers.attention import Attention, AttentionMetadata
+from minivllm.layers.kernel_policy import apply_policy, kernel_policy
 from minivllm.layers.rotary_embedding import RotaryEmbedding
 from minivllm.models.loader import load_model, load_weights
 from minivllm.models.qwen3 import QWEN3_PACKED_WEIGHTS, Qwen3ForCausalLM
@@ -590,9 +591,7 @@ def test_qwen3_06b_dimensions_on_gpu_match_transformers(qwen3_06b_random, monkey
     with torch.device("cuda"):
         model = Qwen3ForCausalLM(load_config(folder))
     load_model(model, folder, QWEN3_PACKED_WEIGHTS).eval()
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.backend = backend  # what the engine does with the backend its Config chose
+    apply_policy(model, kernel_policy("cuda", torch.float32, backend, "torch"))  # as the engine does, once
     assert model.model.layers[0].self_attn.rotary_emb.cos_sin_cache.is_cuda
     seqs = random_seqs(hf.config.vocab_size, [37, 1, 129, 64, 5])
     ours, theirs = our_logits(model, seqs), hf_logits(hf, seqs)

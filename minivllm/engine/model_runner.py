@@ -11,6 +11,7 @@ import torch
 
 from ..config import Config
 from ..distributed.parallel_state import SINGLE, TPGroup, broadcast
+from ..layers.kernel_policy import apply_policy, kernel_policy
 from ..layers.linear import pack_for_cpu
 from ..layers.sampler import LogprobsTensors, Sampler, SamplingTensors, gather_logprobs
 from ..models.registry import build_model
@@ -58,14 +59,16 @@ class ModelRunner:
         else:
             reuse_freed_memory()  # a step's large temporaries reuse the pages of the step before
         self.kv_cache = self.graphs = self.mixed_graphs = None
+        self.policy = kernel_policy(  # which kernels run, decided once (notebook 08), from the backends Config resolved
+            self.device, config.torch_dtype, config.attention_backend, config.prefill_backend, config.cache_dtype
+        )
         self.model = build_model(
             config.hf_config, config.model, config.torch_dtype, self.device, tp, config.load_format, config.seed
         )
         try:  # a failure from here on (a cache too small, out of memory) must not keep the weights alive
             if self.device.type == "cpu":
                 pack_for_cpu(self.model)  # oneDNN's copy of every float32 weight (notebook 04)
-            for layer in attention_layers(self.model):
-                layer.backend, layer.prefill_backend = config.attention_backend, config.prefill_backend
+            apply_policy(self.model, self.policy)
             self.sampler = Sampler()
             self.sampling = SamplingCache(self.device, config.seed, config.hf_config.vocab_size, config.eos_token_ids)
             self.num_blocks = num_kv_blocks(config, kv_budget(self.model, config, self.device, tp))
@@ -76,7 +79,7 @@ class ModelRunner:
                 PinnedUploads(self.device) if self.device.type == "cuda" else partial(to_device, device=self.device)
             )
             self.last_sampled: torch.Tensor | None = None  # the token ids of the step before, on the device
-            if self.device.type == "cuda" and not config.enforce_eager and config.attention_backend != "torch":
+            if self.device.type == "cuda" and not config.enforce_eager and self.policy.decode.supports_decode_graphs:
                 self.graphs = CUDAGraphRunner(
                     self.model,
                     config.max_num_seqs,
@@ -87,7 +90,7 @@ class ModelRunner:
                     self.device,
                     cascade=config.cascade,
                 )
-                if config.prefill_backend == "triton":  # (a shape-free prefill kernel: section 12)
+                if self.policy.prefill.supports_mixed_graphs:  # (a shape-free prefill kernel: section 12)
                     self.mixed_graphs = MixedGraphRunner(
                         self.model, self.graphs, config.max_num_batched_tokens, self.device
                     )

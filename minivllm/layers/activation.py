@@ -3,14 +3,19 @@
 # %% ../../notebooks/04_layers.ipynb #7e1c563b
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+if TYPE_CHECKING:
+    from minivllm.layers.kernel_policy import KernelPolicy
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    "`silu(gate) * up`; on a GPU, notebook 06's Triton kernel `silu_mul` (which it measures)."
-    if x.is_cuda:
+
+def silu_and_mul(x: torch.Tensor, triton_kernel: bool = False) -> torch.Tensor:
+    "`silu(gate) * up`; with `triton_kernel` (a GPU's kernel policy), notebook 06's kernel `silu_mul`."
+    if triton_kernel:
         from minivllm.kernels.activation import silu_mul
 
         return silu_mul(x)
@@ -21,10 +26,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 class SiluAndMul(nn.Module):
     "`silu(x[..., :d]) * x[..., d:]` for an input whose last dimension is `2 * d` (gate and up, side by side)."
 
+    def __init__(self):
+        super().__init__()
+        self.triton_kernel = False  # the kernel policy's choice (notebook 08)
+
+    def use_policy(self, policy: KernelPolicy) -> None:
+        self.triton_kernel = policy.triton_activation
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] % 2:
             raise ValueError(f"SiluAndMul needs an even last dimension (gate and up), got {x.shape[-1]}")
-        return silu_and_mul(x)
+        return silu_and_mul(x, self.triton_kernel)
 
 
 # %% auto #0

@@ -4,18 +4,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from minivllm.kernels.torch_attention import (
-    paged_attention_torch,
-    paged_decode_torch,
-    store_kvcache_torch,
-    varlen_attention_torch,
-)
+from ..kernels.kept_decode_kv import KeptDecodeKV
+from .attention_backends.base import AttentionBackend
+from .attention_backends.torch_backend import TorchAttentionBackend
 
-from ..kernels.kept_decode_kv import KeptDecodeKV, paged_decode_kept
+if TYPE_CHECKING:
+    from minivllm.layers.kernel_policy import KernelPolicy
 
 
 @dataclass
@@ -66,85 +65,14 @@ class AttentionMetadata:
 
 
 # %% auto #0
-__all__ = ["AttentionMetadata", "store_kv", "paged_attention", "varlen_attention", "Attention"]
-
-
-# %% ../../notebooks/05_paged_attention.ipynb #2da41e15
-def store_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    backend: str,
-) -> None:
-    if backend == "torch":
-        store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping)
-    else:
-        from minivllm.kernels.store_kvcache import store_kvcache
-
-        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
-
-
-def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, backend: str
-) -> torch.Tensor:
-    "Every query token of the step attends to its sequence's cached K/V (causal)."
-    if backend == "torch":
-        if meta.is_decode_only:
-            return paged_decode_torch(q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale)
-        return paged_attention_torch(
-            q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale
-        )
-    if backend == "flash_attn":  # flash-attn-4 or 2, whichever is installed (next section)
-        from minivllm.kernels.flash_attention import flash_paged_attention
-
-        return flash_paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.cu_seqlens_q,
-            meta.cu_seqlens_k,
-            meta.context_lens,
-            meta.block_tables,
-            meta.max_seqlen_q,
-            meta.max_seqlen_k,
-            scale,
-        )
-    from minivllm.kernels.paged_decode import paged_decode_attention
-
-    if meta.is_decode_only:
-        return paged_decode_attention(
-            q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale, shared_prefix_len=meta.shared_prefix_len
-        )
-    from minivllm.kernels.paged_prefill import paged_prefill_attention  # a mixed step: the sequences of one token
-
-    out = paged_prefill_attention(
-        q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale, skip_single=True
-    )  # go to the decode kernel, which packs and splits (06)
-    return paged_decode_attention(
-        q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale, out=out, cu_seqlens_q=meta.cu_seqlens_q
-    )
+__all__ = ["AttentionMetadata", "one_sequence", "Attention"]
 
 
 # %% ../../notebooks/05_paged_attention.ipynb #c68ad43e
-def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | None, scale: float, backend: str
-) -> torch.Tensor:
-    "Causal attention over the new tokens only (no cache). Without metadata, all N tokens are one sequence."
-    if meta is None:
-        n = q.shape[0]
-        meta = AttentionMetadata(*[torch.tensor([0, n], dtype=torch.int32, device=q.device)] * 2, n, n)
-    cu_q, cu_k = meta.cu_seqlens_q, meta.cu_seqlens_k
-    if backend == "torch":
-        return varlen_attention_torch(q, k, v, cu_q, cu_k, scale)
-    if backend == "flash_attn":
-        from minivllm.kernels.flash_attention import flash_varlen_attention
-
-        return flash_varlen_attention(q, k, v, cu_q, cu_k, meta.max_seqlen_q, meta.max_seqlen_k, scale)
-    from minivllm.kernels.paged_prefill import varlen_prefill_attention
-
-    return varlen_prefill_attention(q, k, v, cu_q, cu_k, scale)
+def one_sequence(n: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+    "The metadata of `n` new tokens that are one whole sequence, with no cache (the shape of a parity test)."
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    return AttentionMetadata(cu, cu, n, n)
 
 
 # %% ../../notebooks/05_paged_attention.ipynb #6506a599
@@ -157,20 +85,26 @@ class Attention(nn.Module):
         head_dim: int,
         scale: float,
         num_kv_heads: int,
-        backend: str = "torch",
-        prefill_backend: str | None = None,
+        backend: AttentionBackend | None = None,
+        prefill_backend: AttentionBackend | None = None,
     ):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
-        self.scale, self.backend, self.prefill_backend = float(scale), backend, prefill_backend or backend
+        self.scale, self.backend = float(scale), backend or TorchAttentionBackend()  # decode-only steps
+        self.prefill_backend = prefill_backend or self.backend  # every other step, and no cache
         self.k_cache = self.v_cache = None
         self.kept = KeptDecodeKV()  # the torch backend's decode batch, kept between steps
 
+    def use_policy(self, policy: KernelPolicy) -> None:
+        "Take the backends of the engine's kernel policy (notebook 08): one for decode-only steps, one for the others."
+        self.backend, self.prefill_backend = policy.decode, policy.prefill
+        self.kept.reset()
+
     def extra_repr(self) -> str:
-        prefill = f", prefill_backend={self.prefill_backend}" if self.prefill_backend != self.backend else ""
+        decode, prefill = self.backend.name, self.prefill_backend.name
         return (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"scale={self.scale:.4g}, backend={self.backend}{prefill}"
+            f"scale={self.scale:.4g}, backend={decode}" + (f", prefill_backend={prefill}" if prefill != decode else "")
         )
 
     def forward(
@@ -178,20 +112,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         "q [N, heads, dim], k and v [N, kv_heads, dim] (or None: already in the cache) -> [N, heads, dim]."
         if self.k_cache is None:  # no cache yet (a model checked on its own, the warm-up step)
-            return varlen_attention(q, k, v, meta, self.scale, self.prefill_backend)
+            meta = one_sequence(q.shape[0], q.device) if meta is None else meta
+            return self.prefill_backend.varlen(q, k, v, meta, self.scale)
         backend = self.backend if meta.is_decode_only else self.prefill_backend
         if k is not None:  # (None: the model wrote them already, with its norms and rotation: notebook 06)
-            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend)
-        if backend == "torch" and meta.is_decode_only:
-            return paged_decode_kept(
-                q,
-                self.k_cache,
-                self.v_cache,
-                meta.context_lens,
-                meta.block_tables,
-                meta.slot_mapping,
-                self.scale,
-                self.kept,
-            )
-        self.kept.reset()
-        return paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, backend)
+            backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            return backend.decode(q, self.k_cache, self.v_cache, meta, self.scale, self.kept)
+        self.kept.reset()  # a step with prompt tokens: the kept decode batch does not go on
+        return backend.prefill(q, self.k_cache, self.v_cache, meta, self.scale)

@@ -3,12 +3,17 @@
 # %% ../../notebooks/04_layers.ipynb #fbf0c50f
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.parallel_state import SINGLE, TPGroup, all_gather_last_dim, all_reduce
 from .linear import check_shape, linear, no_shard_id
+
+if TYPE_CHECKING:
+    from minivllm.layers.kernel_policy import KernelPolicy
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -58,6 +63,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             raise ValueError("ParallelLMHead does not support a bias")
         super().__init__(num_embeddings, embedding_dim, tp=tp)
         self.packed_weight: torch.Tensor | None = None  # set by `pack_for_cpu` (notebook 04's linear layers)
+        self.one_row_gemv = False  # one row by notebook 06's `gemv`, as the linear layers (the kernel policy's choice)
+
+    def use_policy(self, policy: KernelPolicy) -> None:
+        self.one_row_gemv = policy.one_row_gemv
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         if embedding.weight.shape != self.weight.shape:
@@ -71,6 +80,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         "`[num_rows, hidden] -> [num_rows, vocab]` logits (each rank gets all of them), into `out` if given."
         if out is not None and self.tp.size == 1:  # straight into the buffer (a CUDA graph's output): no copy
             return torch.mm(hidden_states, self.weight.t(), out=out)
-        logits = all_gather_last_dim(linear(hidden_states, self.weight, packed=self.packed_weight), self.tp)
+        logits = all_gather_last_dim(
+            linear(hidden_states, self.weight, None, self.packed_weight, self.one_row_gemv), self.tp
+        )
         logits = logits[..., : self.num_embeddings]
         return logits if out is None else out.copy_(logits)

@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.parallel_state import SINGLE, TPGroup, all_reduce, divide
+
+if TYPE_CHECKING:
+    from minivllm.layers.kernel_policy import KernelPolicy
 
 
 def check_shape(loaded: torch.Tensor, expected: tuple[int, ...] | torch.Size) -> None:
@@ -26,11 +30,16 @@ PACKED_MAX_ROWS = 256  # the most rows a product on the packed copy takes (the s
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+    one_row_gemv: bool = False,
 ) -> torch.Tensor:
     """`x W^T + b`; with `packed`, oneDNN's copy of the weight on a CPU, for up to 256 rows (their count padded to 2^k);
-    one row on a GPU: a matrix-vector kernel (`gemv`, notebook 06: cuBLAS reads a weight for one row slowly)."""
-    if x.is_cuda and bias is None and x.numel() == x.shape[-1]:  # one row on a GPU: notebook 06's kernel
+    with `one_row_gemv` (a GPU's kernel policy), one row takes a matrix-vector kernel (`gemv`, notebook 06: cuBLAS
+    reads a weight for one row slowly)."""
+    if one_row_gemv and bias is None and x.numel() == x.shape[-1]:  # one row: notebook 06's kernel
         from minivllm.kernels.gemv import gemv
 
         return gemv(x.reshape(1, -1), weight).view(*x.shape[:-1], -1)
@@ -72,6 +81,7 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
         self.packed_weight: torch.Tensor | None = None  # set by `pack_for_cpu` (below) on a CPU
+        self.one_row_gemv = False  # one row by notebook 06's `gemv`: the kernel policy's choice (notebook 08)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
             self.bias.weight_loader = self.weight_loader
@@ -82,8 +92,11 @@ class LinearBase(nn.Module):
         "The shape of the checkpoint tensor that fills `param` (its part `shard_id`): whole, before any split."
         return tuple(param.shape)
 
+    def use_policy(self, policy: KernelPolicy) -> None:
+        self.one_row_gemv = policy.one_row_gemv
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.one_row_gemv)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}" + (
@@ -203,7 +216,8 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded_weight.narrow(1, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(linear(x, self.weight, self.bias if self.tp.rank == 0 else None, self.packed_weight), self.tp)
+        bias = self.bias if self.tp.rank == 0 else None
+        return all_reduce(linear(x, self.weight, bias, self.packed_weight, self.one_row_gemv), self.tp)
 
 
 # %% ../../notebooks/04_layers.ipynb #365cb248

@@ -3,12 +3,17 @@
 # %% ../../notebooks/08_qwen3.ipynb #7bf76d35
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from ..distributed.parallel_state import SINGLE, TPGroup, all_reduce, divide
 from ..kernels.moe_reference import moe_experts_reference
 from .linear import check_shape
+
+if TYPE_CHECKING:
+    from minivllm.layers.kernel_policy import KernelPolicy
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,6 +47,10 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate))
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+        self.fused_kernel = False  # notebook 06's `fused_moe`: the kernel policy's choice
+
+    def use_policy(self, policy: KernelPolicy) -> None:
+        self.fused_kernel = policy.fused_moe
 
     def checkpoint_shape(self, param: nn.Parameter, shard_id: tuple[int, str]) -> tuple[int, int]:
         "One expert's whole `gate_proj` or `up_proj` (`[intermediate, hidden]`), or `down_proj` (transposed)."
@@ -62,7 +71,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         experts = moe_experts_reference
-        if x.is_cuda:  # the Triton kernel (06) on GPUs, imported only there: a CPU runs without Triton
+        if self.fused_kernel:  # the Triton kernel (06), imported only where it runs: a CPU runs without Triton
             from minivllm.kernels.fused_moe import fused_moe as experts
         return all_reduce(experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids), self.tp)
 

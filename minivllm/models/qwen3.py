@@ -14,6 +14,7 @@ from ..distributed.parallel_state import SINGLE, TPGroup
 from ..layers.activation import SiluAndMul
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from ..layers.kernel_policy import UsesKernelPolicy
 from ..layers.layernorm import RMSNorm
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
@@ -38,7 +39,7 @@ __all__ = [
 
 
 # %% ../../notebooks/08_qwen3.ipynb #b63fcee7
-class Qwen3Attention(nn.Module):
+class Qwen3Attention(UsesKernelPolicy, nn.Module):
     "Qwen3 self-attention: packed QKV, RMSNorm on every query/key head, rotary embedding, paged attention, o_proj."
 
     def __init__(
@@ -87,10 +88,10 @@ class Qwen3Attention(nn.Module):
     def _one_kernel(
         self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None
     ) -> torch.Tensor | None:
-        "The queries, with the K/V written, by notebook 06's kernel: on a GPU, into a cache of the model's dtype."
+        "The queries, with the K/V written, by notebook 06's kernel: where the policy says so, and the cache fits."
         cache, dim = self.attn.k_cache, self.head_dim
         fits = cache is not None and cache.dtype == qkv.dtype and self.rotary_emb.rotary_dim == dim
-        if not qkv.is_cuda or not fits or dim & (dim - 1):
+        if not self.policy.fused_qk_norm_rope or not fits or dim & (dim - 1):
             return None
         from minivllm.kernels.qk_norm_rope import qk_norm_rope_store
 
@@ -104,7 +105,7 @@ class Qwen3Attention(nn.Module):
 
 
 # %% ../../notebooks/08_qwen3.ipynb #a3381abe
-class Qwen3MLP(nn.Module):
+class Qwen3MLP(UsesKernelPolicy, nn.Module):
     "Qwen3's gated MLP: `down(silu(gate(x)) * up(x))`, with gate and up in one matmul."
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, *, tp: TPGroup = SINGLE):
@@ -115,7 +116,7 @@ class Qwen3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if x.is_cuda and x.shape[0] == 1 and gate_up.bias is None:  # one token on a GPU: product and activation
+        if self.policy.gemv_row(x) and gate_up.bias is None:  # one token, `gemv` allowed: product and activation
             from minivllm.kernels.gemv import gemv  # in one kernel (notebook 06)
 
             return self.down_proj(gemv(x, gate_up.weight, fuse_silu=True))
@@ -143,7 +144,7 @@ def dense_mlp(config: PretrainedConfig, layer_idx: int, tp: TPGroup) -> Qwen3MLP
 
 
 # %% ../../notebooks/08_qwen3.ipynb #93d5b615
-class Qwen3DecoderLayer(nn.Module):
+class Qwen3DecoderLayer(UsesKernelPolicy, nn.Module):
     "One Qwen3 block: attention and MLP, each behind an RMSNorm that also performs the pending residual add."
 
     def __init__(
@@ -191,11 +192,10 @@ class Qwen3DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
     def norms_in_products(self, x: torch.Tensor) -> bool:
-        "One token on a GPU, no biases, a dense MLP: each norm can run inside the product after it (notebook 06)."
+        "One token, the policy allows it, no biases, a dense MLP: each norm can run inside the product after it (06)."
         attn, mlp = self.self_attn, self.mlp
         return (
-            x.is_cuda
-            and x.shape[0] == 1
+            self.policy.norms_row(x)
             and attn.qkv_proj.bias is None
             and isinstance(mlp, Qwen3MLP)
             and mlp.gate_up_proj.bias is None
