@@ -258,7 +258,7 @@ class LLMEngine:
         stats, end = self.stats, time.perf_counter()
         stats.num_steps += 1
         stats.num_prompt_tokens += plan.num_prefill_tokens
-        stats.num_generated_tokens += len(plan.sampled)
+        stats.num_generated_tokens += len(plan.sampled_seqs)
         if plan.num_prefill_tokens:
             stats.prefill_time += end - start
         else:
