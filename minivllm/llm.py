@@ -90,7 +90,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         progress = Progress(engine, len(checked), use_tqdm)
         try:
-            ids = [engine._add(*c) for c in checked]
+            ids = [engine.add_request(None, c) for c in checked]
             own = set(ids)  # other requests in the engine (from add_request) are stepped too, not returned
             while len(results) < len(ids):
                 if not engine.has_unfinished_requests():
@@ -167,7 +167,7 @@ class LLM:
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         "Yield a `RequestOutput` holding only the new text and tokens each time the request produces some."
         engine = self._engine()
-        request_id = engine._add(*engine.validate(prompt, sampling_params), stream=True)
+        request_id = engine.add_request(None, engine.validate(prompt, sampling_params), stream=True)
         try:
             finished = False
             while not finished:

@@ -167,7 +167,7 @@ def test_a_mixed_step_padded_for_a_graph_reads_and_writes_nothing_more():
         for i, n in enumerate((20, 3, 60)):
             scheduler.add(Sequence(list(range(5, 5 + n)), SamplingParams(max_tokens=4), block_size=16, seq_id=i))
         first = scheduler.schedule()  # 64 tokens: two prompts and a chunk of the third
-        scheduler.postprocess(first, [1] * len(first.sampled))
+        scheduler.postprocess(first, [1] * len(first.sampled_seqs))
         step = prepare_step(scheduler.schedule(), 16)  # two decodes and the rest of the third prompt
         assert not step.is_decode_only and step.sizes.num_seqs == 3
         with torch.inference_mode():

@@ -66,7 +66,7 @@ class FakeRunner:
 
     def run(self, batch: StepPlan) -> list[int]:
         out = []
-        for seq, n, sample in zip(batch.seqs, batch.num_new_tokens, batch.sample):
+        for seq, n, sample in zip(batch.seqs, batch.num_new_tokens, batch.is_sampled):
             if seq.is_finished:  # finished (aborted, or by its last step) after this step was planned: token dropped
                 out.append(0)
                 continue
@@ -106,7 +106,7 @@ def check_decode_plan(plan: StepPlan) -> None:
     "A decode step: StepPlan.of works out the same flags StepPlan.decode sets."
     general = StepPlan.of(plan.seqs, [1] * len(plan))
     assert all(s.num_prompt_tokens <= s.num_computed_tokens == s.num_tokens - 1 for s in plan.seqs if not s.is_finished)
-    assert (plan.num_new_tokens, plan.sample, plan.prefill, plan.sampled, plan.num_prefill_tokens) == (
+    assert (plan.num_new_tokens, plan.is_sampled, plan.is_prefill, plan.sampled_seqs, plan.num_prefill_tokens) == (
         [1] * len(plan),
         [True] * len(plan),
         [False] * len(plan),
@@ -114,10 +114,10 @@ def check_decode_plan(plan: StepPlan) -> None:
         0,
     )
     if not any(s.is_finished for s in plan.seqs):
-        assert (general.sample, general.prefill, general.sampled, general.num_prefill_tokens) == (
-            plan.sample,
-            plan.prefill,
-            plan.sampled,
+        assert (general.is_sampled, general.is_prefill, general.sampled_seqs, general.num_prefill_tokens) == (
+            plan.is_sampled,
+            plan.is_prefill,
+            plan.sampled_seqs,
             plan.num_prefill_tokens,
         )
 
@@ -133,7 +133,7 @@ def check_ahead(sched: Scheduler, prev: StepPlan, ahead: StepPlan | None, free_b
     }  # prev's token ends them
     rows = [i for i, s in enumerate(prev.seqs) if s.seq_id not in by_length]
     assert ahead.ahead_rows == rows and ahead.seqs == [prev.seqs[i] for i in rows]
-    assert (ahead.num_new_tokens, ahead.sample, ahead.prefill, ahead.sampled, ahead.num_prefill_tokens) == (
+    assert (ahead.num_new_tokens, ahead.is_sampled, ahead.is_prefill, ahead.sampled_seqs, ahead.num_prefill_tokens) == (
         [1] * len(ahead),
         [True] * len(ahead),
         [False] * len(ahead),
@@ -181,7 +181,7 @@ def drive(
             if sched.policy == "prefill_first":  # a step is all prompt work or all decodes, never both
                 kinds = {s.seq_id in decoding for s in batch.seqs}
                 assert len(kinds) == 1, "prefill_first mixed prompt work and decodes"
-            if not any(batch.prefill):
+            if not any(batch.is_prefill):
                 check_decode_plan(batch)
             check_state(sched)
         else:
@@ -249,8 +249,8 @@ def test_mixed_policy_exact_steps():
         [(1, 1), (2, 1)],
         [(2, 1)],
     ]
-    assert [b.sample for b in batches[:2]] == [[True, False], [True, True]]
-    assert [b.prefill for b in batches[:3]] == [[True, True], [False, True], [False, False, True]]
+    assert [b.is_sampled for b in batches[:2]] == [[True, False], [True, True]]
+    assert [b.is_prefill for b in batches[:3]] == [[True, True], [False, True], [False, False, True]]
     assert batches[3].is_decode_only and not batches[2].is_decode_only
     assert_reference_outputs(sched, seqs)
 
@@ -509,13 +509,14 @@ def test_step_plan_of_and_decode_agree_on_a_decode_step(seqs):
         assert plan.seqs == seqs and plan.num_new_tokens == [1] * len(seqs) and len(plan) == len(seqs)
         assert plan.total_tokens == len(seqs) and plan.is_decode_only == bool(seqs)
         assert plan.preempted == [] and plan.ahead_rows is None
-    assert (general.sample, general.prefill, general.sampled, general.num_prefill_tokens) == (
-        decode.sample,
-        decode.prefill,
-        decode.sampled,
+    assert (general.is_sampled, general.is_prefill, general.sampled_seqs, general.num_prefill_tokens) == (
+        decode.is_sampled,
+        decode.is_prefill,
+        decode.sampled_seqs,
         decode.num_prefill_tokens,
     )
-    assert decode.sample == [True] * len(seqs) and decode.prefill == [False] * len(seqs) and decode.sampled == seqs
+    assert decode.is_sampled == [True] * len(seqs) and decode.is_prefill == [False] * len(seqs)
+    assert decode.sampled_seqs == seqs
     assert StepPlan.decode(seqs, ahead_rows=list(range(len(seqs)))).ahead_rows == list(range(len(seqs)))
 
 
@@ -527,8 +528,8 @@ def test_step_plan_of_tells_a_last_prompt_token_from_a_decode():
     decoding.num_computed_tokens = 3
     chunk = Sequence([5, 6, 7, 8, 9], block_size=4)  # a chunk that stops short of the end: not sampled
     plan = StepPlan.of([done, decoding, chunk], [1, 1, 2], preempted=[Sequence([4])])
-    assert plan.sample == [True, True, False] and plan.prefill == [True, False, True]
-    assert plan.sampled == [done, decoding] and plan.num_prefill_tokens == 3 and len(plan.preempted) == 1
+    assert plan.is_sampled == [True, True, False] and plan.is_prefill == [True, False, True]
+    assert plan.sampled_seqs == [done, decoding] and plan.num_prefill_tokens == 3 and len(plan.preempted) == 1
     assert not plan.is_decode_only and plan.total_tokens == 4
     assert StepPlan.of([done, decoding], [1, 1]).is_decode_only  # one token each, though one is a prompt's
     assert not StepPlan.of([], []).is_decode_only
@@ -562,7 +563,7 @@ def test_plan_lookahead_plans_the_next_decode_of_the_kept_sequences():
     ahead = plan_lookahead(sched, decode)
     assert ahead.seqs == [a, c]  # b: `decode` samples its last token (max_tokens): left out
     assert ahead.ahead_rows == [0, 2]  # a's and c's rows in `decode`
-    assert (ahead.num_new_tokens, ahead.sample, ahead.prefill, ahead.sampled, ahead.num_prefill_tokens) == (
+    assert (ahead.num_new_tokens, ahead.is_sampled, ahead.is_prefill, ahead.sampled_seqs, ahead.num_prefill_tokens) == (
         [1, 1],
         [True, True],
         [False, False],
@@ -588,7 +589,7 @@ def test_plan_lookahead_runs_like_the_scheduled_step():
     tables, free = {s.seq_id: list(s.block_table) for s in (a, c)}, sched.block_manager.num_free_blocks
     scheduled = sched.schedule()  # what the engine would run without planning ahead
     assert scheduled.seqs == ahead.seqs and scheduled.num_new_tokens == ahead.num_new_tokens
-    assert (scheduled.sample, scheduled.prefill) == (ahead.sample, ahead.prefill)
+    assert (scheduled.is_sampled, scheduled.is_prefill) == (ahead.is_sampled, ahead.is_prefill)
     assert sched.block_manager.num_free_blocks == free and all(s.block_table == tables[s.seq_id] for s in (a, c))
     sched.postprocess(ahead, runner.run(ahead))
     drive(sched, [], lookahead=True, runner=runner)

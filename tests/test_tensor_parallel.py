@@ -164,7 +164,7 @@ def mixed_step() -> StepInputs:
     for i, ids in enumerate((list(range(10)), list(range(100, 120)), [7, 8])):
         scheduler.add(Sequence(ids, SamplingParams(max_tokens=8), block_size=4, seq_id=i))
     first = scheduler.schedule()
-    scheduler.postprocess(first, [0] * len(first.sampled))
+    scheduler.postprocess(first, [0] * len(first.sampled_seqs))
     return prepare_step(scheduler.schedule(), 4)
 
 

@@ -94,7 +94,7 @@ def run_records(policy="mixed"):
     records, clock = [], 0.0
     while sched.has_unfinished():
         plan = sched.schedule()
-        finished = sched.postprocess(plan, [7] * sum(plan.sample))
+        finished = sched.postprocess(plan, [7] * sum(plan.is_sampled))
         records.append(StepRecord.from_step(len(records), plan, finished, sched, start=clock, duration=0.5, wait=0.125))
         clock += 0.5
     return seqs, records

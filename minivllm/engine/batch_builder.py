@@ -74,7 +74,7 @@ def prepare_step(plan: StepPlan, block_size: int) -> StepInputs:
         positions=np.concatenate(positions),
         slot_mapping=np.concatenate(slots),
         logits_indices=np.asarray(logits_indices, dtype=np.int64),
-        seq_ids=seq_ids(plan.sampled),
+        seq_ids=seq_ids(plan.sampled_seqs),
         cu_seqlens_q=cumsum0(plan.num_new_tokens),
         cu_seqlens_k=cumsum0(kv_lens),
         context_lens=np.asarray(kv_lens, dtype=np.int32),

@@ -6,12 +6,23 @@ from __future__ import annotations
 import dataclasses
 import os
 from numbers import Integral
+from typing import NamedTuple
 
 from ..layers.logits_processors import RECENT_TOKENS
 from ..models.gguf_loader import gguf_tokenizer, is_gguf
 from ..sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
+
+
+class CheckedRequest(NamedTuple):
+    "A request `LLMEngine.validate` checked completely: its text (None for token ids), token ids and parameters."
+
+    text: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them holds a vocabulary
 _NO_TOKENIZER = "or pass skip_tokenizer_init=True and give prompts as token ids"
 
@@ -44,7 +55,15 @@ def load_tokenizer(model: str, vocab_size: int):
 
 
 # %% auto #0
-__all__ = ["PromptType", "TOKENIZER_FILES", "load_tokenizer", "prompt_token_ids", "checked_params", "fit_to_model"]
+__all__ = [
+    "PromptType",
+    "TOKENIZER_FILES",
+    "CheckedRequest",
+    "load_tokenizer",
+    "prompt_token_ids",
+    "checked_params",
+    "fit_to_model",
+]
 
 
 # %% ../../notebooks/10_llm_engine.ipynb #759495ce

@@ -8,6 +8,14 @@ import itertools
 import time
 from dataclasses import dataclass
 
+from minivllm.engine.inputs import (
+    CheckedRequest,
+    PromptType,
+    checked_params,
+    fit_to_model,
+    load_tokenizer,
+    prompt_token_ids,
+)
 from minivllm.engine.output_processor import (
     IncrementalDetokenizer,
     OutputProcessor,
@@ -22,7 +30,6 @@ from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from .batch_builder import BatchBuilder
 from .executor import Executor, InProcExecutor
-from .inputs import PromptType, checked_params, fit_to_model, load_tokenizer, prompt_token_ids
 from .lookahead import plan_lookahead
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
@@ -59,6 +66,11 @@ def default_sampling_params(config: EngineConfig) -> SamplingParams:
         ) from None
 
 
+# %% auto #0
+__all__ = ["EngineStats", "InFlightStep", "default_sampling_params", "make_executor", "LLMEngine"]
+
+
+# %% ../../notebooks/10_llm_engine.ipynb #19fd5619
 def make_executor(config: EngineConfig) -> Executor:
     "One device: a runner in this process. Several (tensor parallelism, notebook 12): one process per device."
     if config.tensor_parallel_size == 1:
@@ -66,10 +78,6 @@ def make_executor(config: EngineConfig) -> Executor:
     from .multiproc_executor import make_tp_executor
 
     return make_tp_executor(config)
-
-
-# %% auto #0
-__all__ = ["EngineStats", "InFlightStep", "default_sampling_params", "make_executor", "LLMEngine"]
 
 
 # %% ../../notebooks/10_llm_engine.ipynb #19f16d45
@@ -108,23 +116,31 @@ class LLMEngine:
     def requests(self) -> dict[str, Request]:
         return self.outputs.requests
 
-    def validate(
-        self, prompt: PromptType, params: SamplingParams | None, name: str = "prompt"
-    ) -> tuple[str | None, list[int], SamplingParams]:
-        "Check one request completely, without queueing it: (text, token ids, params)."
+    def validate(self, prompt: PromptType, params: SamplingParams | None, name: str = "prompt") -> CheckedRequest:
+        "Check one request completely, without queueing it (`add_request` takes the result)."
         params = checked_params(self.default_params if params is None else params, name)
         params = fit_to_model(params, self.tokenizer, self.config.hf_config.vocab_size, name)
         text, ids = prompt_token_ids(
             prompt, self.tokenizer, self.config.hf_config.vocab_size, self.config.max_model_len, name
         )
-        return text, ids, params
+        return CheckedRequest(text, ids, params)
 
     def add_request(
-        self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None, stream: bool = False
+        self,
+        request_id: str | None,
+        prompt: PromptType | CheckedRequest,
+        params: SamplingParams | None = None,
+        stream: bool = False,
     ) -> str:
-        "Queue one request (vLLM's order); None as the id: the next free number. Returns the request's id."
-        name = "request" if request_id is None else f"request {str(request_id)!r}"
-        return self._add(*self.validate(prompt, params, name), request_id, stream)
+        """Queue one request (vLLM's order); None as the id: the next free number. Returns the request's id. A request
+        `validate` checked already (`LLM` checks a whole batch before it queues any) goes in without a second check."""
+        if isinstance(prompt, CheckedRequest):
+            if params is not None:
+                raise TypeError("add_request: a CheckedRequest carries its SamplingParams; pass params=None")
+        else:
+            name = "request" if request_id is None else f"request {str(request_id)!r}"
+            prompt = self.validate(prompt, params, name)
+        return self._add(*prompt, request_id, stream)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -258,7 +274,7 @@ class LLMEngine:
         stats, end = self.stats, time.perf_counter()
         stats.num_steps += 1
         stats.num_prompt_tokens += plan.num_prefill_tokens
-        stats.num_generated_tokens += len(plan.sampled)
+        stats.num_generated_tokens += len(plan.sampled_seqs)
         if plan.num_prefill_tokens:
             stats.prefill_time += end - start
         else:

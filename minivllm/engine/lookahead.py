@@ -13,7 +13,7 @@ def plan_lookahead(scheduler: Scheduler, plan: StepPlan) -> StepPlan | None:
     if (
         scheduler.policy != "mixed"
         or not plan.is_decode_only
-        or not len(plan.sampled) == len(plan.seqs) == running
+        or not len(plan.sampled_seqs) == len(plan.seqs) == running
         or (scheduler.waiting and running < scheduler.max_num_seqs)
     ):
         return None

@@ -199,7 +199,7 @@ class OutputProcessor:
         else:
             booked = [
                 (self.by_seq[s.seq_id], t, None if logprobs is None else logprobs[i])
-                for i, (s, t) in enumerate(zip(plan.sampled, token_ids))
+                for i, (s, t) in enumerate(zip(plan.sampled_seqs, token_ids))
                 if s.seq_id in self.by_seq
             ]
         outputs, done = [], []

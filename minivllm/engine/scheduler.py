@@ -18,9 +18,9 @@ class StepPlan:
 
     seqs: list[Sequence]
     num_new_tokens: list[int]  # sequence i computes its tokens [num_computed, num_computed + n)
-    sample: list[bool]  # the step reaches the sequence's end: a new token is sampled for it
-    prefill: list[bool]  # prompt (or recomputed) tokens, not a decode
-    sampled: list[Sequence]  # the sequences of `sample`, in order: one sampled token each
+    is_sampled: list[bool]  # the step reaches the sequence's end: a new token is sampled for it
+    is_prefill: list[bool]  # prompt (or recomputed) tokens, not a decode
+    sampled_seqs: list[Sequence]  # the sequences of `is_sampled`, in order: one sampled token each
     num_prefill_tokens: int  # new tokens of the `prefill` sequences
     preempted: list[Sequence] = field(default_factory=list)  # pushed out of memory while the step was planned
     ahead_rows: list[int] | None = None  # planned ahead (10): input token i is row ahead_rows[i] of the last samples
@@ -228,7 +228,7 @@ class Scheduler:
     def postprocess(self, plan: StepPlan, token_ids: list[int]) -> list[Sequence]:
         "After the step: advance the sequences, commit full blocks, append the sampled tokens; return the finished."
         finished, sampled, bs, eos, limit = [], iter(token_ids), self.block_size, self.eos_token_ids, self.max_model_len
-        for seq, n, sample in zip(plan.seqs, plan.num_new_tokens, plan.sample):
+        for seq, n, sample in zip(plan.seqs, plan.num_new_tokens, plan.is_sampled):
             token_id = next(sampled) if sample else None
             if seq.status is SequenceStatus.FINISHED:  # aborted while the step ran: left as it is
                 continue

@@ -12,6 +12,7 @@ import uuid
 import weakref
 from collections.abc import Callable
 
+from ..engine.inputs import CheckedRequest
 from ..engine.llm_engine import LLMEngine, PromptType
 from ..outputs import RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
@@ -159,9 +160,9 @@ class AsyncLLM:
         except queue.Empty:
             return True
 
-    def _add(self, request_id: str, checked: tuple, stream: bool, token: int) -> None:
+    def _add(self, request_id: str, checked: CheckedRequest, stream: bool, token: int) -> None:
         try:
-            self.engine._add(*checked, request_id, stream)
+            self.engine.add_request(request_id, checked, stream=stream)
             self.owners[request_id] = token
         except (ValueError, TypeError) as e:  # (an id in use: a sample's of another request, say)
             self._send([(token, e)])
