@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol, TypeVar, runtime_checkable
 
-from ..config import Config
+from ..config import EngineConfig
 from ..sampling_params import SamplingParams
 from .model_runner import ModelRunner, StepHandle, StepLogprobs
 from .step_inputs import StepInputs
@@ -36,7 +36,7 @@ class Executor(Protocol[Handle]):
 class InProcExecutor:
     "An `Executor` that runs the steps on one `ModelRunner` in this process (notebook 12's: on several devices)."
 
-    def __init__(self, config: Config, runner: ModelRunner | None = None):
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
         self.runner = runner or ModelRunner(config)
         self.num_blocks = self.runner.num_blocks
 

@@ -9,7 +9,7 @@ import mmap
 import torch
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import EngineConfig
 from ..distributed.parallel_state import TPGroup, all_reduce
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.sampler import Sampler, SamplingTensors
@@ -22,7 +22,7 @@ def kv_block_bytes(hf_config, block_size: int, dtype: torch.dtype, tp_size: int 
     return 2 * hf_config.num_hidden_layers * block_size * kv_heads * head_dim * dtype.itemsize
 
 
-def num_kv_blocks(config: Config, budget_bytes: int) -> int:
+def num_kv_blocks(config: EngineConfig, budget_bytes: int) -> int:
     "How many blocks to allocate: what the budget holds, capped at what max_num_seqs sequences could ever use."
     block_bytes = kv_block_bytes(config.hf_config, config.block_size, config.cache_dtype, config.tensor_parallel_size)
     blocks_per_seq = -(-config.max_model_len // config.block_size)
@@ -52,7 +52,7 @@ __all__ = [
 
 # %% ../../notebooks/09_model_runner.ipynb #86b559c9
 @torch.inference_mode()
-def profile_run(model: torch.nn.Module, config: Config, device: torch.device) -> None:
+def profile_run(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> None:
     "Run the largest step the scheduler can make (no cache yet), so the activations' memory peak is recorded."
     seq_len = min(config.max_model_len, config.max_num_batched_tokens)
     num_seqs = max(1, min(config.max_num_seqs, config.max_num_batched_tokens // seq_len))
@@ -77,7 +77,7 @@ def gpu_kv_budget(utilization: float, device: torch.device) -> int:
     return int(total * utilization - (total - free) - activation_peak)
 
 
-def kv_budget(model: torch.nn.Module, config: Config, device: torch.device, tp: TPGroup) -> int:
+def kv_budget(model: torch.nn.Module, config: EngineConfig, device: torch.device, tp: TPGroup) -> int:
     "This engine's KV-cache bytes on every rank: each rank's own budget, then the smallest of them (ranks agree)."
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -9,7 +9,7 @@ from functools import partial
 
 import torch
 
-from ..config import Config
+from ..config import EngineConfig
 from ..distributed.parallel_state import SINGLE, TPGroup, broadcast
 from ..layers.kernel_policy import apply_policy, kernel_policy
 from ..layers.linear import pack_for_cpu
@@ -51,7 +51,7 @@ __all__ = ["StepHandle", "StepLogprobs", "ModelRunner"]
 class ModelRunner:
     "The model, its KV cache and the sampler on one device (one rank): every rank runs `execute`, the first samples."
 
-    def __init__(self, config: Config, rank: int = 0, tp: TPGroup = SINGLE):
+    def __init__(self, config: EngineConfig, rank: int = 0, tp: TPGroup = SINGLE):
         self.config, self.rank, self.tp = config, rank, tp
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         if self.device.type == "cuda":
