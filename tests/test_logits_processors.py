@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
-from minivllm.engine.sampling_cache import SamplingCache
+from minivllm.engine.sampling_cache import SamplingRegistry
 from minivllm.layers.logits_processors import TokenHistory, apply_penalties, build_logits_processors
 
 PROMPTS = [
@@ -208,7 +208,7 @@ def test_gpu_penalties_give_the_same_tokens_under_cuda_graphs_and_eager(tiny):
 
 
 def test_the_history_grows_and_slots_are_reused():
-    cache = SamplingCache(torch.device("cpu"), vocab_size=32, stop_ids=[0])
+    cache = SamplingRegistry(torch.device("cpu"), vocab_size=32, stop_ids=[0])
     for i in range(20):
         cache.add(i, SamplingParams(repetition_penalty=1.2), prompt_token_ids=[i + 1])
     cache.batch(np.arange(20))

@@ -1,5 +1,5 @@
 """Tests of minivllm.layers.sampler (greedy, temperature, top-k, top-p, min-p, logprobs) and of the seeds that
-minivllm.engine.sampling_cache.SamplingCache keeps (a seeded request's own generator, the engine's for the others).
+minivllm.engine.sampling_cache.SamplingRegistry keeps (a seeded request's own generator, the engine's for the others).
 
 References: the argmax of the raw logits; Hugging Face `transformers`' logits warpers (chained in `generate`'s
 order: temperature, top-k, top-p, min-p); a plain-Python float64 implementation of the same rules; chi-square tests of
@@ -24,7 +24,7 @@ from transformers.generation.logits_process import (
 )
 
 from minivllm import LLM, TINY_MODEL_PATH
-from minivllm.engine.sampling_cache import SamplingCache
+from minivllm.engine.sampling_cache import SamplingRegistry
 from minivllm.layers.sampler import (
     LogprobsTensors,
     Sampler,
@@ -373,7 +373,7 @@ def test_random_sample_is_unbiased_and_ignores_zero_probabilities():
 def test_a_seeded_request_samples_the_right_distribution_over_steps():
     "One request, one generator, 3000 steps: its draws follow the filtered law (the generator path is unbiased too)."
     sp = SamplingParams(temperature=0.7, top_p=0.95, seed=2024)
-    cache = SamplingCache(torch.device("cpu"), seed=0)
+    cache = SamplingRegistry(torch.device("cpu"), seed=0)
     cache.add(0, sp)
     s, gens = cache.batch(np.array([0]))
     row = torch.tensor([EXAMPLE])
@@ -386,9 +386,9 @@ def test_a_seeded_request_samples_the_right_distribution_over_steps():
 CPU = torch.device("cpu")
 
 
-def sampling_cache(seq_ids, params: list[SamplingParams], seed: int = 0) -> SamplingCache:
-    "A SamplingCache (its own generator seeded with `seed`) that knows the requests `seq_ids`."
-    cache = SamplingCache(CPU, seed)
+def sampling_cache(seq_ids, params: list[SamplingParams], seed: int = 0) -> SamplingRegistry:
+    "A SamplingRegistry (its own generator seeded with `seed`) that knows the requests `seq_ids`."
+    cache = SamplingRegistry(CPU, seed)
     for seq_id, sp in zip(seq_ids, params):
         cache.add(int(seq_id), sp)
     return cache
@@ -609,7 +609,7 @@ def test_cuda_sampler_end_to_end():
     s = SamplingTensors.from_params(params, device=dev)  # the pinned, non-blocking copies
     assert s.temperatures.device.type == "cuda" and s.top_k.tolist() == [0, 3, 0, 5]
     logits = random_logits(4, 151_936, seed=0).to(dev, torch.bfloat16)
-    cache = SamplingCache(dev, seed=0)
+    cache = SamplingRegistry(dev, seed=0)
     for seq_id, sp in enumerate(params):
         cache.add(seq_id, sp)
     gens = cache.batch(np.arange(4))[1]
@@ -640,7 +640,7 @@ def test_cuda_frequencies_and_seeds():
     steps = [random_logits(1, 151_936, seed=t)[0].to(dev) for t in range(8)]
     runs = []
     for layout, row in [([req], 0), ([SamplingParams(top_p=0.9), SamplingParams(), req], 2)]:
-        cache = SamplingCache(dev, seed=len(runs))
+        cache = SamplingRegistry(dev, seed=len(runs))
         for seq_id, sp in enumerate(layout):
             cache.add(seq_id, sp)
         out = []

@@ -12,7 +12,7 @@ The engine is the tiny model's on the CPU, with default settings (asynchronous s
   fixed random token ids, none of them an eos, as does the graphs' greedy pick (greedy requests, so every request runs
   to `max_tokens`);
 - decode steps go through a `CUDAGraphRunner` whose recorded graphs are no-ops and whose buffers are plain host
-  memory: `ModelRunner.execute` takes the GPU's path, and `replay` fills its host mirror and copies it into the
+  memory: `ModelRunner.launch` takes the GPU's path, and `replay` fills its host mirror and copies it into the
   "device" buffer as it would on the GPU.
 
 So each timed `LLMEngine.step()` is what the host does per decode step on a GPU: `plan_lookahead`, the look-ahead

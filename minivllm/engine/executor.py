@@ -48,7 +48,7 @@ class InProcExecutor:
         self.runner.free_request(seq_id)
 
     def launch(self, step: StepInputs) -> StepHandle:
-        return self.runner.execute(step)
+        return self.runner.launch(step)
 
     def collect(self, handle: StepHandle) -> tuple[list[int], StepLogprobs | None]:
         return self.runner.collect(handle)

@@ -19,7 +19,7 @@ from ..sampling_params import SamplingParams
 from .cuda_graph import CUDAGraphRunner, MixedGraphRunner
 from .host_memory import reuse_freed_memory
 from .kv_cache import allocate_kv_cache, attention_layers, kv_budget, num_kv_blocks
-from .sampling_cache import SamplingCache
+from .sampling_cache import SamplingRegistry
 from .step_inputs import PinnedUploads, StepInputs, to_device
 
 
@@ -49,11 +49,11 @@ __all__ = ["StepHandle", "StepLogprobs", "ModelRunner"]
 
 # %% ../../notebooks/09_model_runner.ipynb #e05e7f9c
 class ModelRunner:
-    "The model, its KV cache and the sampler on one device (one rank): every rank runs `execute`, the first samples."
+    "The model, its KV cache and the sampler on one device (one rank): every rank runs `launch`, the first samples."
 
-    def __init__(self, config: EngineConfig, rank: int = 0, tp: TPGroup = SINGLE):
-        self.config, self.rank, self.tp = config, rank, tp
-        self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+    def __init__(self, config: EngineConfig, device_index: int = 0, tp: TPGroup = SINGLE):
+        self.config, self.device_index, self.tp = config, device_index, tp
+        self.device = torch.device("cuda", device_index) if config.device == "cuda" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
@@ -70,7 +70,9 @@ class ModelRunner:
                 pack_for_cpu(self.model)  # oneDNN's copy of every float32 weight (notebook 04)
             apply_policy(self.model, self.policy)
             self.sampler = Sampler()
-            self.sampling = SamplingCache(self.device, config.seed, config.hf_config.vocab_size, config.eos_token_ids)
+            self.sampling = SamplingRegistry(
+                self.device, config.seed, config.hf_config.vocab_size, config.eos_token_ids
+            )
             self.num_blocks = num_kv_blocks(config, kv_budget(self.model, config, self.device, tp))
             self.kv_cache = allocate_kv_cache(
                 self.model, self.num_blocks, config.block_size, config.cache_dtype, self.device
@@ -106,7 +108,7 @@ class ModelRunner:
 
     # %% ../../notebooks/09_model_runner.ipynb #1053b66b
     @torch.inference_mode()
-    def execute(self, step: StepInputs) -> StepHandle:
+    def launch(self, step: StepInputs) -> StepHandle:
         "Queue the forward pass, the sampled rows' logits and (first rank) the sampler, and return at once."
         input_ids = self._ahead_input_ids(step) if step.ahead else None
         decode = step.is_decode_only  # (decode graphs: every sequence samples; mixed graphs: the other steps)

@@ -11,7 +11,7 @@ from ..layers.sampler import SamplingTensors
 from ..sampling_params import SamplingParams
 
 
-class SamplingCache:
+class SamplingRegistry:
     "Per request: its SamplingParams and seeded generator; per batch: SamplingTensors, rebuilt when requests change."
 
     def __init__(self, device: torch.device, seed: int = 0, vocab_size: int = 0, stop_ids: list[int] = ()):
@@ -78,4 +78,7 @@ class SamplingCache:
 
 
 # %% auto #0
-__all__ = ["SamplingCache"]
+__all__ = ["SamplingCache", "SamplingRegistry"]
+
+# %% ../../notebooks/09_model_runner.ipynb #367416dc
+SamplingCache = SamplingRegistry  # the name before (deprecated; one release)

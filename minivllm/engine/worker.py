@@ -68,7 +68,7 @@ class TPExecutor(InProcExecutor):
             send_step(step, self.tp)
             if self.failure is not None:  # torchrun: every rank took the step before any device runs it
                 confirm_step(self.tp, self._check)
-            return self.runner.execute(step)
+            return self.runner.launch(step)
         except RuntimeError:  # a collective failed (on a CPU, the step runs here): the failed rank says why
             self._check(wait=15.0)
             raise
@@ -145,7 +145,7 @@ def follow(runner: ModelRunner, tp: TPGroup, confirm: bool = False) -> None:
     while (step := recv_step(tp)) is not None:
         if confirm:
             confirm_step(tp)
-        runner.execute(step)
+        runner.launch(step)
 
 
 def serve_driver(executor: TPExecutor, conn: Connection) -> None:
