@@ -33,6 +33,7 @@ EXTENSIONS = {  # runtime files beyond the course's main path -> the extension t
     "kernels/moe_reference.py": "MoE",
     "kernels/flash_attention.py": "flash-attn / FlashInfer",
     "kernels/backends.py": "flash-attn / FlashInfer",
+    "layers/attention_backends/flash_backend.py": "flash-attn / FlashInfer",
     "models/gguf_loader.py": "GGUF",
     "real_model.py": "GGUF",
     "models/llama.py": "other families",
