@@ -3,10 +3,8 @@
     python tools/shape.py            # print the report; exit 1 when a limit is broken (`make test` runs it)
 
 Limits, on the code as ruff formats it: a notebook code cell <= 70 lines (one that holds a Triton kernel <= 80); a
-package file <= 300 lines; a function's body <= 60 lines (a Triton kernel's, decorated with `triton.jit`, <= 80). A
-function is measured from the first line of its body (its docstring included) to its end, and a cell without the
-lines of such signatures: a signature that ruff writes one parameter per line (a kernel's pointers and strides) is an
-interface, not logic.
+package file <= 300 lines; a function <= 60 lines (a Triton kernel, decorated with `triton.jit`, <= 80), measured
+whole: from its `def` line to its last, its signature included.
 
 The report also prints the size of the core (what the course's main path builds: the engine, the layers, Qwen3, the
 Triton kernels, the sampler, the `LLM` API) and of the extensions (serving, tensor parallelism, MoE, the flash-attn
@@ -56,11 +54,11 @@ def is_kernel(node: ast.FunctionDef) -> bool:
 
 
 def functions(path: Path) -> list[tuple[int, str, int]]:
-    "(lines of its body, where, limit) of every function and method of a module."
+    "(lines from `def` to its end, where, limit) of every function and method of a module."
     tree = ast.parse(path.read_text(encoding="utf-8"))
     return [
         (
-            node.end_lineno - node.body[0].lineno + 1,
+            node.end_lineno - node.lineno + 1,
             f"{path.relative_to(ROOT)}:{node.lineno} {node.name}",
             MAX_KERNEL if is_kernel(node) else MAX_FUNCTION,
         )
@@ -69,18 +67,8 @@ def functions(path: Path) -> list[tuple[int, str, int]]:
     ]
 
 
-def signature_lines(source: str) -> int:
-    "Lines of the multi-line signatures of a source's functions, past each one's first line (a cell is measured so)."
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:  # (IPython syntax: measured whole)
-        return 0
-    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    return sum(n.body[0].lineno - n.lineno - 1 for n in nodes if n.body[0].lineno - n.lineno > 1)
-
-
 def code_cells(notebook: Path) -> list[tuple[int, str, int]]:
-    "(lines without multi-line signatures, where, limit) of every code cell of a notebook."
+    "(lines, where, limit) of every code cell of a notebook."
     cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
     out = []
     for i, c in enumerate(cells):
@@ -88,7 +76,7 @@ def code_cells(notebook: Path) -> list[tuple[int, str, int]]:
             continue
         source = "".join(c["source"])
         limit = MAX_KERNEL if "@triton.jit" in source else MAX_CELL
-        out.append((len(source.splitlines()) - signature_lines(source), f"{notebook.name}[{i}]", limit))
+        out.append((len(source.splitlines()), f"{notebook.name}[{i}]", limit))
     return out
 
 
@@ -109,11 +97,11 @@ def report() -> list[str]:
     print(", ".join(f"{k} {v}" for k, v in sorted(ext.items(), key=lambda kv: -kv[1])), end="")
     print(f"); course-only: {parts.get('course-only', 0)}")
     print("largest files:", ", ".join(f"{rel[p]} {n}" for p, n in largest[:5]))
-    print("longest functions (bodies):", ", ".join(f"{n} {where}" for n, where, _ in funcs[:5]))
+    print("longest functions:", ", ".join(f"{n} {where}" for n, where, _ in funcs[:5]))
     print("longest code cells:", ", ".join(f"{n} {where}" for n, where, _ in cells[:5]))
     broken = [f"code cell {where}: {n} lines > {limit}" for n, where, limit in cells if n > limit]
     broken += [f"{p.relative_to(ROOT)}: {n} lines > {MAX_FILE}" for p, n in files.items() if n > MAX_FILE]
-    broken += [f"function {where}: a body of {n} lines > {limit}" for n, where, limit in funcs if n > limit]
+    broken += [f"function {where}: {n} lines > {limit}" for n, where, limit in funcs if n > limit]
     return broken
 
 

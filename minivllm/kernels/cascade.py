@@ -14,7 +14,7 @@ from minivllm.kernels.cascade_plan import (  # noqa: F401 (re-exported: the kern
     use_cascade,
 )
 
-from .common import online_softmax_update
+from .common import head_ptrs, load_kv_tile, online_softmax_update
 
 # %% auto #0
 __all__ = [
@@ -53,14 +53,9 @@ def _shared_prefix_kernel(
     qk_scale,
     batch,
     num_parts,
-    stride_q_tok,
-    stride_q_head,
-    stride_k_block,
-    stride_k_tok,
-    stride_k_head,
-    stride_v_block,
-    stride_v_tok,
-    stride_v_head,
+    sq,
+    sk,
+    sv,
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -87,45 +82,21 @@ def _shared_prefix_kernel(
     tile_end = tl.minimum(tile_start + per_chunk, num_tiles)
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
-    q = tl.load(
-        q_ptr + seq[:, None] * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
-        mask=row_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(head_ptrs(q_ptr, sq, seq, heads, dims), mask=out_mask, other=0.0)
+    q = q.to(tl.float32) if DOT_FP32 else q
+    kv = (k_cache_ptr, v_cache_ptr, sk, sv, kv_head, dims, dim_mask)  # what every tile load shares
     m_i, l_i = tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
     for tile in range(tile_start, tile_end):
-        pos = tile * BLOCK_N + offs_n
+        pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = pos < prefix_len
         block = tl.load(block_tables_ptr + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)  # row 0: shared
-        row = pos % PAGE_SIZE
-        k = tl.load(
-            k_cache_ptr
-            + (block * stride_k_block + row * stride_k_tok + kv_head * stride_k_head)[None, :]
-            + dims[:, None],
-            mask=valid[None, :] & dim_mask[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr
-            + (block * stride_v_block + row * stride_v_tok + kv_head * stride_v_head)[:, None]
-            + dims[None, :],
-            mask=valid[:, None] & dim_mask[None, :],
-            other=0.0,
-        )
-        k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)  # (an 8-bit cache's tiles: to q's dtype)
-        if DOT_FP32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = load_kv_tile(kv, block, pos % PAGE_SIZE, valid)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # (an 8-bit cache's tiles, or float32 dots: to q's dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]: many sequences at once
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
     l_i = tl.where(l_i > 0, l_i, 1.0)  # a piece past the prefix's end read nothing: zeros, lse -inf
-    tl.store(
-        part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
-        acc / l_i[:, None],
-        mask=row_mask[:, None] & dim_mask[None, :],
-    )
+    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None], mask=out_mask)
     tl.store(part_lse_ptr + part, tl.where(row_mask, m_i + tl.log2(l_i), float("-inf")), mask=real)

@@ -60,6 +60,8 @@ __all__ = [
     "pdl_launch_next",
     "pdl_wait",
     "online_softmax_update",
+    "head_ptrs",
+    "load_kv_tile",
 ]
 
 # %% ../../notebooks/06_attention_kernels.ipynb #70f3368d
@@ -102,3 +104,21 @@ def online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def head_ptrs(ptr, strides, tok, heads, dims):
+    "Pointers [rows, dims] into a [tokens, heads, dim] tensor: token `tok` (one, or one per row), a head per row."
+    return ptr + (tok * strides[0] + heads * strides[1])[:, None] + dims[None, :]
+
+
+@triton.jit
+def load_kv_tile(kv, block, row, valid):
+    """K^T [dims, N] and V [N, dims] at positions (block, row) of a paged cache [blocks, page, kv_heads, dim].
+    `kv`: (k_ptr, v_ptr, k's strides, v's strides, the KV head, dims, the dims' mask), what every tile shares."""
+    k_ptr, v_ptr, sk, sv, kv_head, dims, dim_mask = kv
+    k_rows = block * sk[0] + row * sk[1] + kv_head * sk[2]
+    v_rows = block * sv[0] + row * sv[1] + kv_head * sv[2]
+    k = tl.load(k_ptr + k_rows[None, :] + dims[:, None], mask=valid[None, :] & dim_mask[:, None], other=0.0)
+    v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=valid[:, None] & dim_mask[None, :], other=0.0)
+    return k, v

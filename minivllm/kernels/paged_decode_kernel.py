@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import online_softmax_update, pdl_launch_next, pdl_wait
+from .common import head_ptrs, load_kv_tile, online_softmax_update, pdl_launch_next, pdl_wait
 from .merge_splits import _fold_parts
 
 # %% auto #0
@@ -40,16 +40,10 @@ def _paged_decode_kernel(
     qk_scale,
     num_splits,
     num_parts,
-    stride_q_tok,
-    stride_q_head,
-    stride_o_tok,
-    stride_o_head,
-    stride_k_block,
-    stride_k_tok,
-    stride_k_head,
-    stride_v_block,
-    stride_v_tok,
-    stride_v_head,
+    sq,
+    so,
+    sk,
+    sv,
     stride_bt,
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -76,64 +70,37 @@ def _paged_decode_kernel(
     if q_len != 1:
         return
     context_len = tl.load(context_lens_ptr + seq)
-    kv_start = 0
-    if CASCADE:  # positions [0, kv_start) are the shared prefix: read elsewhere
-        kv_start = tl.load(prefix_len_ptr)
+    kv_start = tl.load(prefix_len_ptr) if CASCADE else 0  # positions [0, kv_start): the shared prefix, read elsewhere
     tile_start, tile_end = _split_tiles(kv_start, context_len, split, num_splits, BLOCK_N)
     rows = tl.arange(0, GROUP_PAD)  # the query heads that share this KV head (padded to >= 16)
     heads, row_mask = kv_head * GROUP + rows, rows < GROUP
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
-    part = (seq * NUM_Q_HEADS + heads) * num_parts + (num_parts - num_splits) + split  # this split's partial slot
-    q = tl.load(
-        q_ptr + token * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
-        mask=row_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(head_ptrs(q_ptr, sq, token, heads, dims), mask=out_mask, other=0.0)
+    q = q.to(tl.float32) if DOT_FP32 else q
+    kv = (k_cache_ptr, v_cache_ptr, sk, sv, kv_head, dims, dim_mask)  # what every tile load shares
     m_i, l_i = tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    block_table = block_tables_ptr + seq * stride_bt
     for tile in range(tile_start, tile_end):
-        pos = tile * BLOCK_N + offs_n
+        pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = (pos >= kv_start) & (pos < context_len)
-        block, row = tl.load(block_table + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64), pos % PAGE_SIZE
-        k = tl.load(
-            k_cache_ptr
-            + (block * stride_k_block + row * stride_k_tok + kv_head * stride_k_head)[None, :]
-            + dims[:, None],
-            mask=valid[None, :] & dim_mask[:, None],
-            other=0.0,
-        )  # K^T: [DIM_PAD, BLOCK_N]
-        v = tl.load(
-            v_cache_ptr
-            + (block * stride_v_block + row * stride_v_tok + kv_head * stride_v_head)[:, None]
-            + dims[None, :],
-            mask=valid[:, None] & dim_mask[None, :],
-            other=0.0,
-        )
-        k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)  # (an 8-bit cache's tiles: to q's dtype)
-        if DOT_FP32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        k, v = load_kv_tile(kv, block, pos % PAGE_SIZE, valid)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # (an 8-bit cache's tiles, or float32 dots: to q's dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
+    part = (seq * NUM_Q_HEADS + heads) * num_parts  # each row's first partial slot
     if FOLD_PREFIX:  # the shared prefix's pieces, finished by the kernel launched before: no merge kernel (cascade)
-        first = (seq * NUM_Q_HEADS + heads) * num_parts  # each row's first partial slot
         m_i, l_i, acc = _fold_parts(
-            m_i, l_i, acc, part_out_ptr, part_lse_ptr, first, num_parts - 1, dims, row_mask, HEAD_DIM
+            m_i, l_i, acc, part_out_ptr, part_lse_ptr, part, num_parts - 1, dims, row_mask, HEAD_DIM
         )
     l_i = tl.where(l_i > 0, l_i, 1.0)  # nothing read (an empty split, a padding row): out 0, lse -inf
     out = acc / l_i[:, None]
-    out_mask = row_mask[:, None] & dim_mask[None, :]
     if USE_SPLITS:
+        part += num_parts - num_splits + split  # this split's partial slot
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
     else:
-        tl.store(
-            out_ptr + token * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=out_mask,
-        )
+        tl.store(head_ptrs(out_ptr, so, token, heads, dims), out.to(out_ptr.dtype.element_ty), mask=out_mask)

@@ -39,6 +39,14 @@ def plan_prefill(
 
 
 # %% ../../notebooks/06_attention_kernels.ipynb #ca5b92e5
+def _check_heads(q: torch.Tensor, k: torch.Tensor) -> None:
+    if q.shape[1] % k.shape[-2] or k.shape[-1] != q.shape[2]:
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit k/v {tuple(k.shape)}: head_dim must match and the number "
+            f"of query heads must be a multiple of the number of KV heads"
+        )
+
+
 def _launch_prefill(
     q,
     k,
@@ -58,11 +66,7 @@ def _launch_prefill(
     num_stages=None,
 ):
     (num_tokens, num_heads, head_dim), num_kv_heads = q.shape, k.shape[-2]
-    if num_heads % num_kv_heads or k.shape[-1] != head_dim:
-        raise ValueError(
-            f"q {tuple(q.shape)} does not fit k/v {tuple(k.shape)}: head_dim must match and the number "
-            f"of query heads must be a multiple of the number of KV heads"
-        )
+    _check_heads(q, k)
     num_seqs = cu_seqlens_q.shape[0] - 1
     check_device(q, k, v, cu_seqlens_q, kv_start, context_lens, block_tables)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -82,16 +86,10 @@ def _launch_prefill(
         block_tables,
         scale * math.log2(math.e),
         num_seqs,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        sk[0] if paged else 0,
-        sk[-3],
-        sk[-2],
-        sv[0] if paged else 0,
-        sv[-3],
-        sv[-2],
+        q.stride()[:2],
+        out.stride()[:2],
+        (sk[0] if paged else 0, sk[-3], sk[-2]),  # plain k and v: no blocks
+        (sv[0] if paged else 0, sv[-3], sv[-2]),
         block_tables.stride(0) if paged else 0,
         GROUP=num_heads // num_kv_heads,
         GROUP_PAD=next_pow2(num_heads // num_kv_heads),

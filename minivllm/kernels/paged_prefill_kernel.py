@@ -6,10 +6,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import online_softmax_update
+from .common import head_ptrs, load_kv_tile, online_softmax_update
 
 # %% auto #0
 __all__ = []
+
+
+# %% ../../notebooks/06_attention_kernels.ipynb #94170ff2
+@triton.jit
+def _find_sequence(cu_seqlens_q_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
+    "(sequence, its first token, its query length, the first of its tokens in `q_block`): a binary search."
+    lo, hi = 0, num_seqs  # the last sequence whose first block is <= q_block
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    return seq, q_start, q_len, (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
 
 
 # %% ../../notebooks/06_attention_kernels.ipynb #c820a743
@@ -25,16 +42,10 @@ def _paged_prefill_kernel(
     block_tables_ptr,
     qk_scale,
     num_seqs,
-    stride_q_tok,
-    stride_q_head,
-    stride_o_tok,
-    stride_o_head,
-    stride_k_block,
-    stride_k_tok,
-    stride_k_head,
-    stride_v_block,
-    stride_v_tok,
-    stride_v_head,
+    sq,
+    so,
+    sk,
+    sv,
     stride_bt,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -50,18 +61,8 @@ def _paged_prefill_kernel(
     DOT_FP32: tl.constexpr,
 ):
     q_block, kv_head = tl.program_id(0), tl.program_id(1)
-    lo, hi = 0, num_seqs  # binary search: the last sequence whose first block is <= q_block
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= q_block:
-            lo = mid + 1
-        else:
-            hi = mid
-    seq = lo - 1
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    first = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # this program's first query token in the sequence
-    skip = first >= q_len
+    seq, q_start, q_len, first = _find_sequence(cu_seqlens_q_ptr, num_seqs, q_block, BLOCK_Q)
+    skip = first >= q_len  # (a sequence's last block may be past its tokens)
     if SKIP_SINGLE:  # sequences of one query token are left to the decode kernel (the next section)
         skip = skip | (q_len == 1)
     if skip:
@@ -73,59 +74,23 @@ def _paged_prefill_kernel(
     q_pos = context_len - q_len + tok  # absolute position of each query row
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
-    q = tl.load(
-        q_ptr + (q_start + tok)[:, None] * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
-        mask=row_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(head_ptrs(q_ptr, sq, q_start + tok, heads, dims), mask=mask, other=0.0)
+    q = q.to(tl.float32) if DOT_FP32 else q
     m_i, l_i = tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
+    kv = (k_ptr, v_ptr, sk, sv, kv_head, dims, dim_mask)  # what every tile load shares
+    kv_start = tl.load(kv_start_ptr + seq).to(tl.int64)  # (not PAGED: its keys' first row in the plain k and v)
+    seq_kv = block_tables_ptr + seq * stride_bt if PAGED else kv_start  # where its keys and values are
     kv_end = tl.minimum(context_len, context_len - q_len + first + BLOCK_Q)  # past the last query position: unseen
-    kv_start = tl.load(kv_start_ptr + seq).to(tl.int64)  # used when not PAGED
     whole = (context_len - q_len + first + 1) // BLOCK_N * BLOCK_N  # tiles before it: every row sees all of them
     for diagonal in tl.static_range(2):  # those tiles with no mask at all, then the rest (the causal diagonal)
-        tiles_from, tiles_to = (whole, kv_end) if diagonal else (0, whole)
+        lo, hi = (whole, kv_end) if diagonal else (0, whole)
         m_i, l_i, acc = _prefill_tiles(
-            q,
-            m_i,
-            l_i,
-            acc,
-            tiles_from,
-            tiles_to,
-            kv_end,
-            q_pos,
-            seq,
-            kv_head,
-            kv_start,
-            k_ptr,
-            v_ptr,
-            block_tables_ptr,
-            qk_scale,
-            stride_k_block,
-            stride_k_tok,
-            stride_k_head,
-            stride_v_block,
-            stride_v_tok,
-            stride_v_head,
-            stride_bt,
-            offs_n,
-            dims,
-            dim_mask,
-            PAGE_SIZE,
-            BLOCK_N,
-            PAGED,
-            diagonal,
-            DOT_PRECISION,
+            q, m_i, l_i, acc, lo, hi, q_pos, kv, seq_kv, qk_scale, PAGE_SIZE, BLOCK_N, PAGED, diagonal, DOT_PRECISION
         )
-    out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + (q_start + tok)[:, None] * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & dim_mask[None, :],
-    )
+    out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(head_ptrs(out_ptr, so, q_start + tok, heads, dims), out, mask=mask)
 
 
 # %% ../../notebooks/06_attention_kernels.ipynb #42640e97
@@ -137,51 +102,26 @@ def _prefill_tiles(
     acc,
     lo,
     hi,
-    kv_end,
     q_pos,
-    seq,
-    kv_head,
-    kv_start,
-    k_ptr,
-    v_ptr,
-    block_tables_ptr,
+    kv,
+    seq_kv,
     qk_scale,
-    stride_k_block,
-    stride_k_tok,
-    stride_k_head,
-    stride_v_block,
-    stride_v_tok,
-    stride_v_head,
-    stride_bt,
-    offs_n,
-    dims,
-    dim_mask,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    "KV positions [lo, hi) in tiles of BLOCK_N, folded into the running softmax; MASKED: past kv_end or the diagonal."
+    """KV positions [lo, hi) in tiles of BLOCK_N, folded into the running softmax; MASKED: past hi or the diagonal.
+    `seq_kv`: the sequence's row of the block table (PAGED), else its first row in the plain k and v."""
     for start in range(lo, hi, BLOCK_N):
-        pos = start + offs_n
-        valid = (pos < kv_end) if MASKED else tl.full([BLOCK_N], 1, tl.int1)
-        if PAGED:
-            block = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-            k_rows = block * stride_k_block + (pos % PAGE_SIZE) * stride_k_tok
-            v_rows = block * stride_v_block + (pos % PAGE_SIZE) * stride_v_tok
-        else:
-            k_rows, v_rows = (kv_start + pos) * stride_k_tok, (kv_start + pos) * stride_v_tok
-        k = tl.load(
-            k_ptr + (k_rows + kv_head * stride_k_head)[None, :] + dims[:, None],
-            mask=valid[None, :] & dim_mask[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr + (v_rows + kv_head * stride_v_head)[:, None] + dims[None, :],
-            mask=valid[:, None] & dim_mask[None, :],
-            other=0.0,
-        )
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = (pos < hi) if MASKED else tl.full([BLOCK_N], 1, tl.int1)
+        if PAGED:  # positions (block, row) of the paged cache
+            block = tl.load(seq_kv + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+            k, v = load_kv_tile(kv, block, pos % PAGE_SIZE, valid)
+        else:  # plain k and v [tokens, kv_heads, dim]: rows seq_kv + pos (block strides are 0)
+            k, v = load_kv_tile(kv, 0, seq_kv + pos, valid)
         k, v = k.to(q.dtype), v.to(q.dtype)  # (an 8-bit cache's tiles, or float32 dots: to q's dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:

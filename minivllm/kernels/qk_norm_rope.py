@@ -88,6 +88,35 @@ def _qk_norm_rope_store_kernel(
     tl.store(v_out + HEAD_DIM // 2, tl.load(values + HEAD_DIM // 2, mask=mask), mask=mask)
 
 
+# %% ../../notebooks/06_attention_kernels.ipynb #2bd7d254
+def _check_fused_inputs(
+    qkv: torch.Tensor,
+    heads: tuple[int, int, int],
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    num_heads, num_kv_heads, head_dim = heads
+    check_kv_cache(k_cache, v_cache)
+    n = qkv.shape[0]
+    if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
+        raise ValueError(
+            f"qkv must be [N, {(num_heads + 2 * num_kv_heads) * head_dim}] with contiguous rows, got {tuple(qkv.shape)}"
+        )
+    if head_dim != next_pow2(head_dim) or tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"head_dim must be a power of two and fit the cache {tuple(k_cache.shape)}, got {head_dim}")
+    if k_cache.dtype != qkv.dtype or positions.shape != (n,) or slot_mapping.shape != (n,):
+        raise ValueError(
+            f"qkv {qkv.dtype} [N={n}], positions {tuple(positions.shape)}, slot_mapping "
+            f"{tuple(slot_mapping.shape)} do not fit a {k_cache.dtype} cache"
+        )
+    if cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(1) != 1:
+        raise ValueError(f"the cos/sin table must be [positions, {head_dim}], got {tuple(cos_sin_cache.shape)}")
+    check_device(qkv, cos_sin_cache, positions, slot_mapping, k_cache, v_cache)
+
+
 # %% ../../notebooks/06_attention_kernels.ipynb #a96818b2
 def qk_norm_rope_store(
     qkv: torch.Tensor,
@@ -105,22 +134,10 @@ def qk_norm_rope_store(
 ) -> torch.Tensor:
     """From a packed `qkv` [N, (heads + 2 kv_heads) * head_dim]: the queries normed and rotated, returned
     [N, heads, head_dim]; the keys normed and rotated and the values written into the cache at `slot_mapping`."""
-    check_kv_cache(k_cache, v_cache)
+    _check_fused_inputs(
+        qkv, (num_heads, num_kv_heads, head_dim), cos_sin_cache, positions, slot_mapping, k_cache, v_cache
+    )
     n = qkv.shape[0]
-    if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
-        raise ValueError(
-            f"qkv must be [N, {(num_heads + 2 * num_kv_heads) * head_dim}] with contiguous rows, got {tuple(qkv.shape)}"
-        )
-    if head_dim != next_pow2(head_dim) or tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
-        raise ValueError(f"head_dim must be a power of two and fit the cache {tuple(k_cache.shape)}, got {head_dim}")
-    if k_cache.dtype != qkv.dtype or positions.shape != (n,) or slot_mapping.shape != (n,):
-        raise ValueError(
-            f"qkv {qkv.dtype} [N={n}], positions {tuple(positions.shape)}, slot_mapping "
-            f"{tuple(slot_mapping.shape)} do not fit a {k_cache.dtype} cache"
-        )
-    if cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(1) != 1:
-        raise ValueError(f"the cos/sin table must be [positions, {head_dim}], got {tuple(cos_sin_cache.shape)}")
-    check_device(qkv, cos_sin_cache, positions, slot_mapping, k_cache, v_cache)
     q = qkv.new_empty(n, num_heads, head_dim)
     if n:
         has_norm, pdl = q_weight is not None, use_pdl(qkv.device, qkv.shape[0])

@@ -65,13 +65,14 @@ class UsesKernelPolicy:
         self.policy = policy
 
 
+# %% auto #0
+__all__ = ["KernelPolicy", "kernel_policy", "UsesKernelPolicy", "apply_policy"]
+
+
+# %% ../../notebooks/08_qwen3.ipynb #95c4eb6d
 def apply_policy(model: nn.Module, policy: KernelPolicy) -> nn.Module:
     "Hand `policy` to every module of `model` that dispatches on it (those with a `use_policy` method)."
     for module in model.modules():
         if hasattr(module, "use_policy"):
             module.use_policy(policy)
     return model
-
-
-# %% auto #0
-__all__ = ["KernelPolicy", "kernel_policy", "UsesKernelPolicy", "apply_policy"]
