@@ -33,7 +33,7 @@ def test_relative_links_resolve_and_glossary_anchors_exist():
     anchors = {slug(line.lstrip("#")) for line in glossary.read_text().splitlines() if line.startswith("### ")}
     assert {"sm", "warp", "hbm", "gemm", "tf32", "pinned-memory"} <= anchors
     broken, linked = [], set()
-    for path in sorted(NOTEBOOKS.glob("*.ipynb")) + [glossary]:
+    for path in sorted(NOTEBOOKS.rglob("*.ipynb")) + [glossary]:
         for target in LINK.findall(markdown_of(path)):
             if target.startswith(("http://", "https://", "#", "mailto:")):
                 continue
@@ -50,7 +50,7 @@ def test_relative_links_resolve_and_glossary_anchors_exist():
 
 def test_players_show_their_controls_before_the_kernel_runs():
     "Every widget a notebook displays has its state stored in the notebook (JupyterLab draws it before any run)."
-    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+    for path in sorted(NOTEBOOKS.rglob("*.ipynb")):
         nb = json.loads(path.read_text())
         views = [
             o["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]

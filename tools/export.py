@@ -182,9 +182,9 @@ def export_notebook(nb_path: Path, lib_path: Path) -> list[Path]:
 
 
 def export_all(nbs_path: Path, lib_path: Path) -> set[Path]:
-    "Export every notebook (in name order) into `lib_path`; add missing `__init__.py` files."
+    "Export every notebook (the main path, then the deep dives, in name order); add missing `__init__.py` files."
     written: set[Path] = set()
-    for nb in sorted(nbs_path.glob("*.ipynb")):
+    for nb in sorted(nbs_path.glob("*.ipynb")) + sorted((nbs_path / "deep_dives").glob("*.ipynb")):
         for f in export_notebook(nb, lib_path):
             if f in written:
                 raise ValueError(f"{f.relative_to(lib_path.parent)} is exported by two notebooks")
