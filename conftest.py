@@ -4,16 +4,21 @@
 - Notebook cells whose first line is `#| gpu` are skipped under nbval where CUDA is not available; they keep
   the outputs of a real GPU run (tools/run_notebooks.py leaves them alone on CPU in the same way).
 - Nothing may reach the Hugging Face hub: everything runs offline from local folders.
+- Figures a notebook saves (`minivllm.viz.figures.save_figure`) go to a temporary folder: a test run leaves the work
+  tree as it was (`make notebooks` writes figures/).
 """
+
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("MINIVLLM_FIGURES", tempfile.mkdtemp(prefix="minivllm-figures-"))
 
 
 def cuda_available() -> bool:

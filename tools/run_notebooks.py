@@ -5,12 +5,14 @@
 
 Cells whose first line is `#| gpu` run only where CUDA is available; elsewhere they are skipped and keep
 the outputs stored from a real GPU run (the root conftest.py skips them under nbval the same way).
-Each notebook runs in a fresh kernel of the current Python, from the notebook's own folder.
+Each notebook runs in a fresh kernel of the current Python, from the notebook's own folder. The figures it saves go to
+the repository's figures/ (the test suite sends them to a temporary folder instead).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import nbformat
 from nbclient import NotebookClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ["MINIVLLM_FIGURES"] = str(Path(__file__).resolve().parents[1] / "figures")
 from conftest import cuda_available, is_gpu_cell  # noqa: E402
 
 
