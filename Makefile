@@ -38,7 +38,8 @@ test-unit: venv
 test-under-load: venv
 	PY=$(PY) tools/load_check.sh
 
-## make test-browser: JupyterLab in headless Chromium runs 00, 02 and 03 and moves their players' sliders
+## make test-browser: JupyterLab in headless Chromium runs 00, 02 and 03 and moves their players' sliders, and shows
+## every notebook with a player or a figure as stored: no error output, no broken image
 ## (needs the distribution's chromium and chromium-driver: `apt-get install chromium chromium-driver`)
 test-browser: venv
 	MINIVLLM_REQUIRE_BROWSER=1 $(PY) -m pytest tests/test_browser.py -m browser

@@ -1,5 +1,6 @@
 """JupyterLab as a learner meets it, driven by headless Chromium (selenium): open 00, 02 and 03, run every cell, move
-each KV-cache player's slider and check that its picture changes.
+each KV-cache player's slider and check that its picture changes; and open every notebook with a player or a figure
+(main path, deep dives, solutions) as it is stored, and check that it shows no error and no broken image.
 
 `make test-browser` runs it, and fails if it cannot; `.ci/run` installs the distribution's `chromium` and
 `chromium-driver` first. Elsewhere, without them, the test is skipped. The notebooks are copied to a temporary
@@ -83,7 +84,7 @@ def lab(tmp_path_factory):
         f"--port={port}",
         "--ip=127.0.0.1",
         f"--ServerApp.token={token}",
-        f"--ServerApp.root_dir={work / 'notebooks'}",
+        f"--ServerApp.root_dir={work}",  # as `make lab`: the notebooks' links to ../figures resolve
         "--LabApp.expose_app_in_browser=True",
         f"--LabApp.user_settings_dir={work / 'settings'}",
         "--LabApp.news_url=None",
@@ -125,7 +126,9 @@ def browser():
 
 
 def open_notebook(driver, url: str, token: str, name: str) -> None:
-    driver.get(f"{url}/lab/tree/{name}?reset&token={token}")  # (reset: no tab of the notebook before comes back)
+    driver.get(
+        f"{url}/lab/tree/notebooks/{name}?reset&token={token}"
+    )  # (reset: no tab of the notebook before comes back)
     wait_for(
         lambda: (driver.execute_script(NOTEBOOK_STATE) or {}).get("kernel") == "idle",
         180,
@@ -206,3 +209,45 @@ def test_the_course_runs_in_jupyterlab_and_its_players_move(lab, browser):
             moved[name] = moved.get(name, 0) + 1
         leave(browser, url, token)
     assert moved.get("02_block_manager.ipynb", 0) >= 1 and moved.get("03_scheduler.ipynb", 0) >= 1, moved
+
+
+# every <img> of the open notebook (outputs, players, markdown): [source, loaded, width]
+IMAGES = """
+const node = window.jupyterapp.shell.currentWidget.node;
+return Array.from(node.querySelectorAll('.jp-OutputArea-output img, .jp-RenderedMarkdown img'))
+  .map(img => [img.src.slice(0, 80), img.complete, img.naturalWidth]);
+"""
+
+
+def stored_pictures(path: Path) -> int:
+    "The PNG outputs and widget views a notebook stores, and the images its markdown shows."
+    cells = json.loads(path.read_text())["cells"]
+    outputs = [o.get("data", {}) for c in cells for o in c.get("outputs", [])]
+    shown = sum(1 for d in outputs if "image/png" in d or "application/vnd.jupyter.widget-view+json" in d)
+    return shown + sum("".join(c["source"]).count("![") for c in cells if c["cell_type"] == "markdown")
+
+
+def with_pictures() -> list[str]:
+    paths = sorted((ROOT / "notebooks").rglob("*.ipynb"))
+    return [p.relative_to(ROOT / "notebooks").as_posix() for p in paths if stored_pictures(p)]
+
+
+@pytest.mark.timeout(1500)
+def test_every_stored_picture_renders(lab, browser):
+    url, token = lab
+    checked = []
+    for name in with_pictures():
+        open_notebook(browser, url, token, name)
+        state = browser.execute_script(NOTEBOOK_STATE)
+        assert not state["errors"], f"{name}: a stored error output: {state['errors'][0]}"
+
+        def loaded():  # (a broken image is `complete` too, with no width)
+            images = browser.execute_script(IMAGES)
+            return images if images and all(done for _, done, _ in images) else None
+
+        images = wait_for(loaded, 120, f"the pictures of {name} to load")
+        broken = [src for src, done, width in images if not width]
+        assert not broken, f"{name}: broken images {broken}"
+        checked.append(name)
+        leave(browser, url, token)
+    assert "02_block_manager.ipynb" in checked and "13_qwen3_on_gpu.ipynb" in checked, checked
