@@ -8,6 +8,8 @@ import functools
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
+from .structured_outputs.params import StructuredOutputsParams
+
 
 class RequestOutputKind(enum.IntEnum):
     "What an asynchronous request's outputs hold (notebook 11): all so far, only what is new, or the end alone."
@@ -71,6 +73,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match a grammar (deep dive 07)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what AsyncLLM yields (notebook 11)
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)  # set by the engine
 
@@ -98,6 +101,11 @@ class SamplingParams:
         if self.output_kind not in tuple(RequestOutputKind):
             raise ValueError(f"SamplingParams.output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self.output_kind = RequestOutputKind(self.output_kind)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(
+                "SamplingParams.structured_outputs must be a StructuredOutputsParams, "
+                f"got {type(self.structured_outputs).__name__}"
+            )
         self._normalize_lists()
         self._check_ranges()
 
@@ -195,8 +203,6 @@ MAX_N = 16_384  # samples of one prompt: each is a sequence the engine keeps unt
 
 # %% ../notebooks/01_sequence.ipynb #c2f1a7d2
 UNSUPPORTED = {  # vLLM's other fields, with the value that means "not used"
-    "structured_outputs": None,
-    "guided_decoding": None,
     "logits_processors": None,
     "truncate_prompt_tokens": None,
     "extra_args": None,
@@ -209,6 +215,9 @@ UNSUPPORTED = {  # vLLM's other fields, with the value that means "not used"
 def _reject_unsupported(init):
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
+        if kwargs.get("guided_decoding") is not None:  # vLLM's older name of `structured_outputs`
+            kwargs["structured_outputs"] = kwargs.pop("guided_decoding")
+        kwargs.pop("guided_decoding", None)
         for name, neutral in UNSUPPORTED.items():
             if name in kwargs and kwargs.pop(name) != neutral:
                 raise ValueError(f"SamplingParams.{name} is a vLLM field that minivllm does not support")

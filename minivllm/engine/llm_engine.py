@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from minivllm.engine.inputs import (
     CheckedRequest,
@@ -34,6 +35,14 @@ from .lookahead import plan_lookahead
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
 from .step_trace import StepRecord
+
+if TYPE_CHECKING:  # (xgrammar is imported only when a request asks for structured outputs)
+    from xgrammar import CompiledGrammar
+
+    from minivllm.engine.step_inputs import StepInputs
+    from minivllm.structured_outputs.grammar import GrammarCache
+    from minivllm.structured_outputs.params import StructuredOutputsParams
+    from minivllm.structured_outputs.state import GrammarState
 
 
 @dataclass
@@ -110,6 +119,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self.in_flight: InFlightStep | None = None  # a step launched ahead (asynchronous scheduling)
         self.trace: list[StepRecord] | None = None  # a record of every step, from `start_trace()` on
+        self.grammars: GrammarCache | None = None  # structured outputs: made on the first request with a grammar
+        self.grammar_states: dict[int, GrammarState] = {}  # each constrained sequence's place in its grammar
         self._seq_ids, self._request_ids = itertools.count(), itertools.count()
 
     @property
@@ -120,6 +131,8 @@ class LLMEngine:
         "Check one request completely, without queueing it (`add_request` takes the result)."
         params = checked_params(self.default_params if params is None else params, name)
         params = fit_to_model(params, self.tokenizer, self.config.hf_config.vocab_size, name)
+        if params.structured_outputs is not None:
+            self._grammar(params.structured_outputs, name)  # compiled once now: a bad spec fails its call
         text, ids = prompt_token_ids(
             prompt, self.tokenizer, self.config.hf_config.vocab_size, self.config.max_model_len, name
         )
@@ -185,6 +198,10 @@ class LLMEngine:
         index: int = 0,
     ) -> Request:
         seq = Sequence(ids, params, self.config.block_size, seq_id=next(self._seq_ids))
+        if params.structured_outputs is not None:
+            from minivllm.structured_outputs.state import GrammarState
+
+            self.grammar_states[seq.seq_id] = GrammarState(self._grammar(params.structured_outputs, request_id))
         needs_text = self.tokenizer is not None and (bool(params.stop) or stream)
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids, **decode_options(params)) if needs_text else None
         req = Request(
@@ -215,6 +232,7 @@ class LLMEngine:
     def _release(self, req: Request) -> None:
         self.executor.free_request(req.seq.seq_id)
         self.builder.free(req.seq.seq_id)
+        self.grammar_states.pop(req.seq.seq_id, None)
 
     def close(self) -> None:
         "Abort every request and release the model and the KV cache; the engine cannot run after this."
@@ -231,13 +249,15 @@ class LLMEngine:
             current = current or self._launch(self.scheduler.schedule())
             if current is None:
                 return []
-            if self.config.async_scheduling:  # the next decode step goes to the device before this one is collected
+            if self.config.async_scheduling and not self._constrained(current.plan):  # the next decode step goes to
+                # the device before this one is collected (not when a grammar needs this step's tokens for its mask)
                 self.in_flight = self._launch(plan_lookahead(self.scheduler, current.plan))
             waiting = time.perf_counter()
             token_ids, logprobs = self.executor.collect(current.handle)
             now = time.perf_counter()
             if logprobs is not None and logprobs.prompt:
                 self.outputs.book_prompt(current.plan, logprobs.prompt)
+            self._advance_grammars(current.plan, token_ids)
             finished = self.scheduler.postprocess(current.plan, token_ids)
             outputs, done = self.outputs.process(current.plan, token_ids, logprobs and logprobs.sampled, finished, now)
         except BaseException:
@@ -267,7 +287,52 @@ class LLMEngine:
             for seq in plan.seqs:
                 metrics = self.outputs.by_seq[seq.seq_id].metrics
                 metrics.first_scheduled_time = metrics.first_scheduled_time or now
-        return InFlightStep(plan, self.executor.launch(self.builder.build(plan)))
+        step = self.builder.build(plan)
+        if self.grammar_states:
+            self._fill_masks(step)
+        return InFlightStep(plan, self.executor.launch(step))
+
+    # %% ../../notebooks/10_llm_engine.ipynb #58002be7
+    def _grammar(self, spec: StructuredOutputsParams, name: str) -> CompiledGrammar:
+        "A request's compiled grammar (each spec compiled once), or a ValueError naming the request."
+        if self.tokenizer is None:
+            raise ValueError(f"{name}: SamplingParams.structured_outputs needs the tokenizer (the engine has none)")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError(f"{name}: SamplingParams.structured_outputs runs with tensor_parallel_size=1 only")
+        if self.grammars is None:
+            from minivllm.structured_outputs.grammar import GrammarCache
+
+            vocab_size, stop_ids = self.config.hf_config.vocab_size, list(self.config.eos_token_ids)
+            self.grammars = GrammarCache(self.tokenizer, vocab_size, stop_ids)
+        try:
+            return self.grammars.get(spec)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+    def _constrained(self, plan: StepPlan) -> bool:
+        return bool(self.grammar_states) and any(seq.seq_id in self.grammar_states for seq in plan.seqs)
+
+    def _fill_masks(self, step: StepInputs) -> None:
+        "The next token's mask of each constrained row the step samples, filled on the host into `step`."
+        states = [self.grammar_states.get(seq_id) for seq_id in step.seq_ids.tolist()]
+        rows = [row for row, state in enumerate(states) if state is not None]
+        if not rows:
+            return
+        from minivllm.structured_outputs.state import allocate_bitmask
+
+        bitmask = allocate_bitmask(len(states), self.grammars.vocab_size)
+        for row in rows:
+            states[row].fill(bitmask, row)
+        step.grammar_bitmask, step.grammar_rows = bitmask.numpy(), rows
+
+    def _advance_grammars(self, plan: StepPlan, token_ids: list[int]) -> None:
+        "Each constrained sequence's state accepts the token it sampled."
+        if not self.grammar_states:
+            return
+        for seq, token in zip(plan.sampled_seqs, token_ids, strict=True):
+            state = self.grammar_states.get(seq.seq_id)
+            if state is not None and not state.finished and not state.accept(token):
+                raise RuntimeError(f"sequence {seq.seq_id} sampled token {token}, which its grammar does not allow")
 
     # %% ../../notebooks/10_llm_engine.ipynb #0fad759d
     def _count(self, plan: StepPlan, finished: list[Sequence], start: float, wait: float) -> None:

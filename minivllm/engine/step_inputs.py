@@ -122,6 +122,8 @@ class StepInputs:
     prompt_logits_indices: np.ndarray = field(default_factory=no_rows)  # [P] int64: the prompt rows whose
     prompt_target_ids: np.ndarray = field(default_factory=no_rows)  # log-probabilities were asked for, and the
     # prompt token that follows each
+    grammar_bitmask: np.ndarray | None = None  # [S, vocab / 32] int32: the next token's mask of constrained rows
+    grammar_rows: list[int] = field(default_factory=list)  # which sampled rows it constrains (deep dive 07)
 
     @property
     def sizes(self) -> StepSizes:

@@ -1,0 +1,121 @@
+"""Structured outputs through the engine (issue 50): constrained and free requests in one batch, every finished
+output validates, the free ones are token-identical to a run without constraints, bad specs are refused by name."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
+from minivllm.structured_outputs.params import StructuredOutputsParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}, "maxItems": 3},
+        "size": {"type": "integer", "minimum": 0, "maximum": 9999},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "size", "ok"],
+    "additionalProperties": False,
+}
+REGEX = r"(0|[1-9][0-9]{0,3})\.[0-9]{2} (USD|EUR)"
+CHOICE = ["def", "class", "import os", "return None"]
+GRAMMAR = 'root ::= "[" item ("," item){0,3} "]"\nitem ::= [a-z] [a-z0-9_]{0,7}'
+PROMPTS = ["def parse(text):\n", "import json\n", "class Point:\n", "# a comment\n", "x = [", "for i in range(3):\n"]
+
+
+def check(kind: str, text: str) -> None:
+    if kind == "json":  # (xgrammar's JSON strings may hold control characters other than newlines, as vLLM's)
+        jsonschema.validate(json.loads(text, strict=False), SCHEMA)
+    elif kind == "choice":
+        assert text in CHOICE
+    else:
+        assert re.fullmatch(REGEX if kind == "regex" else r"\[[a-z][a-z0-9_]{0,7}(,[a-z][a-z0-9_]{0,7}){0,3}\]", text)
+
+
+SPECS = {
+    "json": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+    "regex": StructuredOutputsParams(regex=REGEX),
+    "choice": StructuredOutputsParams(choice=CHOICE),
+    "grammar": StructuredOutputsParams(grammar=GRAMMAR),
+}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = LLM(TINY_MODEL_PATH, max_num_seqs=64)
+    yield llm
+    llm.close()
+
+
+def requests(n: int, seed_offset: int = 0) -> list[tuple[str, str, SamplingParams]]:
+    "n constrained requests, the kinds in turn, sampled (temperature 0.8, a seed each) so that they differ."
+    out = []
+    for i in range(n):
+        kind = list(SPECS)[i % 4]
+        params = SamplingParams(temperature=0.8, seed=seed_offset + i, max_tokens=120, structured_outputs=SPECS[kind])
+        out.append((kind, PROMPTS[i % len(PROMPTS)], params))
+    return out
+
+
+def test_a_hundred_constrained_requests_validate_beside_free_ones(llm):
+    constrained = requests(100)
+    free = [(p, SamplingParams(temperature=0, max_tokens=24)) for p in PROMPTS]
+    prompts = [p for _, p, _ in constrained] + [p for p, _ in free]
+    params = [s for _, _, s in constrained] + [s for _, s in free]
+    outs = llm.generate(prompts, params)
+    stopped = 0
+    for (kind, _, _), out in zip(constrained, outs[:100], strict=True):
+        completion = out.outputs[0]
+        if completion.finish_reason == "stop":
+            stopped += 1
+            check(kind, completion.text)
+    assert stopped >= 95, stopped
+    alone = llm.generate([p for p, _ in free], [s for _, s in free])
+    assert [o.outputs[0].token_ids for o in outs[100:]] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_greedy_constrained_outputs_are_the_same_batched_or_alone(llm):
+    params = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=spec) for spec in SPECS.values()]
+    together = llm.generate(PROMPTS[:4], params)
+    for prompt, p, out in zip(PROMPTS[:4], params, together, strict=True):
+        assert llm.generate(prompt, p)[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_n_samples_each_follow_the_grammar(llm):
+    out = llm.generate(
+        "x = ", SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=120, structured_outputs=SPECS["grammar"])
+    )[0]
+    assert len(out.outputs) == 4
+    for completion in out.outputs:
+        assert completion.finish_reason == "stop"
+        check("grammar", completion.text)
+
+
+@pytest.mark.parametrize(
+    "spec, error",
+    [
+        (dict(regex="[0-9"), "StructuredOutputsParams.regex cannot be compiled"),
+        (dict(json={"type": "nonsense"}), "StructuredOutputsParams.json cannot be compiled"),
+        (dict(grammar="root ::= foo"), "StructuredOutputsParams.grammar cannot be compiled"),
+    ],
+)
+def test_a_bad_spec_refuses_its_call_and_leaves_the_engine_clean(llm, spec, error):
+    good = SamplingParams(temperature=0, max_tokens=8)
+    bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(**spec))
+    with pytest.raises(ValueError, match=re.escape(error)):
+        llm.generate(["def f():", "import os"], [good, bad])
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.generate("def f():", good)[0].outputs[0].text  # the next call works
+
+
+def test_vllm_guided_decoding_name_is_the_same_field():
+    p = SamplingParams(guided_decoding=StructuredOutputsParams(choice=["a", "b"]))
+    assert p.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+    with pytest.raises(TypeError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"choice": ["a"]})
