@@ -115,7 +115,6 @@ def test_add_request_takes_vllms_order_and_abort_takes_a_list():
 @pytest.mark.parametrize(
     "name,value",
     [
-        ("structured_outputs", {"json": {}}),
         ("logits_processors", [print]),
         ("truncate_prompt_tokens", 5),
         ("detokenize", False),

@@ -108,7 +108,7 @@ def test_n_samples_each_follow_the_grammar(llm):
 def test_a_bad_spec_refuses_its_call_and_leaves_the_engine_clean(llm, spec, error):
     good = SamplingParams(temperature=0, max_tokens=8)
     bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(**spec))
-    with pytest.raises(ValueError, match=re.escape(error)):
+    with pytest.raises(ValueError, match=re.escape(f"prompt 1: {error}")):
         llm.generate(["def f():", "import os"], [good, bad])
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.generate("def f():", good)[0].outputs[0].text  # the next call works
