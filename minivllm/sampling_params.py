@@ -96,16 +96,12 @@ class SamplingParams:
             ("prompt_logprobs", Integral, True),
             ("skip_special_tokens", bool, False),
             ("spaces_between_special_tokens", bool, False),
+            ("structured_outputs", StructuredOutputsParams, True),
         ):
             _check_type(name, getattr(self, name), (kind,), allow_none)
         if self.output_kind not in tuple(RequestOutputKind):
             raise ValueError(f"SamplingParams.output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self.output_kind = RequestOutputKind(self.output_kind)
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise TypeError(
-                "SamplingParams.structured_outputs must be a StructuredOutputsParams, "
-                f"got {type(self.structured_outputs).__name__}"
-            )
         self._normalize_lists()
         self._check_ranges()
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from pathlib import Path
 
 import pytest
@@ -31,3 +33,24 @@ def test_save_figure_raises_small_text_and_short_figures(tmp_path, monkeypatch):
     path = save_figure(fig, "strip.png")
     assert figures_dir() == tmp_path and path == tmp_path / "strip.png"
     assert _png_height(path) >= MIN_HEIGHT_PX and label.get_fontsize() == 9
+
+
+def test_every_figure_is_cited():
+    "figures/ keeps what the course, the docs, the changelog, the tools or the tests cite (by name or by a glob)."
+    root = Path(__file__).resolve().parents[1]
+    texts = [p.read_text(encoding="utf-8") for p in sorted((root / "notebooks").rglob("*.ipynb"))]
+    texts += [p.read_text(encoding="utf-8") for p in root.glob("*.md")]
+    texts += [
+        p.read_text(encoding="utf-8")
+        for d in ("docs", "tools", "tests")
+        for p in sorted((root / d).rglob("*.*"))
+        if p.suffix in (".md", ".py", ".sh")
+    ]
+    text = "\n".join(texts)
+    globs = set(re.findall(r"figures/([\w.*-]*\*[\w.*-]*)", text))
+    uncited = [
+        p.name
+        for p in sorted((root / "figures").iterdir())
+        if p.name not in text and not any(fnmatch.fnmatch(p.name, g) for g in globs)
+    ]
+    assert not uncited, uncited

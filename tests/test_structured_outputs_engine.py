@@ -117,5 +117,5 @@ def test_a_bad_spec_refuses_its_call_and_leaves_the_engine_clean(llm, spec, erro
 def test_vllm_guided_decoding_name_is_the_same_field():
     p = SamplingParams(guided_decoding=StructuredOutputsParams(choice=["a", "b"]))
     assert p.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
-    with pytest.raises(TypeError, match="structured_outputs must be a StructuredOutputsParams"):
+    with pytest.raises(TypeError, match="structured_outputs must be StructuredOutputsParams or None"):
         SamplingParams(structured_outputs={"choice": ["a"]})

@@ -62,4 +62,14 @@ class InProcExecutor:
 
 
 # %% auto #0
-__all__ = ["Handle", "Executor", "InProcExecutor"]
+__all__ = ["Handle", "Executor", "InProcExecutor", "make_executor"]
+
+
+# %% ../../notebooks/09_model_runner.ipynb #19fd5619
+def make_executor(config: EngineConfig) -> Executor:
+    "One device: a runner in this process. Several (tensor parallelism, notebook 12): one process per device."
+    if config.tensor_parallel_size == 1:
+        return InProcExecutor(config)
+    from .multiproc_executor import make_tp_executor
+
+    return make_tp_executor(config)

@@ -7,7 +7,6 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from minivllm.engine.inputs import (
     CheckedRequest,
@@ -29,20 +28,13 @@ from ..config import EngineConfig
 from ..engine_args import EngineArgs, takes_engine_arguments
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
+from ..structured_outputs.tracker import GrammarTracker
 from .batch_builder import BatchBuilder
-from .executor import Executor, InProcExecutor
+from .executor import make_executor
 from .lookahead import plan_lookahead
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
 from .step_trace import StepRecord
-
-if TYPE_CHECKING:  # (xgrammar is imported only when a request asks for structured outputs)
-    from xgrammar import CompiledGrammar
-
-    from minivllm.engine.step_inputs import StepInputs
-    from minivllm.structured_outputs.grammar import GrammarCache
-    from minivllm.structured_outputs.params import StructuredOutputsParams
-    from minivllm.structured_outputs.state import GrammarState
 
 
 @dataclass
@@ -76,17 +68,7 @@ def default_sampling_params(config: EngineConfig) -> SamplingParams:
 
 
 # %% auto #0
-__all__ = ["EngineStats", "InFlightStep", "default_sampling_params", "make_executor", "LLMEngine"]
-
-
-# %% ../../notebooks/10_llm_engine.ipynb #19fd5619
-def make_executor(config: EngineConfig) -> Executor:
-    "One device: a runner in this process. Several (tensor parallelism, notebook 12): one process per device."
-    if config.tensor_parallel_size == 1:
-        return InProcExecutor(config)
-    from .multiproc_executor import make_tp_executor
-
-    return make_tp_executor(config)
+__all__ = ["EngineStats", "InFlightStep", "default_sampling_params", "LLMEngine"]
 
 
 # %% ../../notebooks/10_llm_engine.ipynb #19f16d45
@@ -119,8 +101,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.in_flight: InFlightStep | None = None  # a step launched ahead (asynchronous scheduling)
         self.trace: list[StepRecord] | None = None  # a record of every step, from `start_trace()` on
-        self.grammars: GrammarCache | None = None  # structured outputs: made on the first request with a grammar
-        self.grammar_states: dict[int, GrammarState] = {}  # each constrained sequence's place in its grammar
+        self.grammars = GrammarTracker(self.tokenizer, c.hf_config.vocab_size, c.eos_token_ids, c.tensor_parallel_size)
         self._seq_ids, self._request_ids = itertools.count(), itertools.count()
 
     @property
@@ -132,12 +113,13 @@ class LLMEngine:
         params = checked_params(self.default_params if params is None else params, name)
         params = fit_to_model(params, self.tokenizer, self.config.hf_config.vocab_size, name)
         if params.structured_outputs is not None:
-            self._grammar(params.structured_outputs, name)  # compiled once now: a bad spec fails its call
+            self.grammars.compile(params.structured_outputs, name)  # (deep dive 07: a bad spec fails its call)
         text, ids = prompt_token_ids(
             prompt, self.tokenizer, self.config.hf_config.vocab_size, self.config.max_model_len, name
         )
         return CheckedRequest(text, ids, params)
 
+    # %% ../../notebooks/10_llm_engine.ipynb #038c46a1
     def add_request(
         self,
         request_id: str | None,
@@ -198,10 +180,8 @@ class LLMEngine:
         index: int = 0,
     ) -> Request:
         seq = Sequence(ids, params, self.config.block_size, seq_id=next(self._seq_ids))
-        if params.structured_outputs is not None:
-            from minivllm.structured_outputs.state import GrammarState
-
-            self.grammar_states[seq.seq_id] = GrammarState(self._grammar(params.structured_outputs, request_id))
+        if params.structured_outputs is not None:  # its place in its grammar (deep dive 07)
+            self.grammars.add(seq.seq_id, params.structured_outputs, request_id)
         needs_text = self.tokenizer is not None and (bool(params.stop) or stream)
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids, **decode_options(params)) if needs_text else None
         req = Request(
@@ -232,7 +212,7 @@ class LLMEngine:
     def _release(self, req: Request) -> None:
         self.executor.free_request(req.seq.seq_id)
         self.builder.free(req.seq.seq_id)
-        self.grammar_states.pop(req.seq.seq_id, None)
+        self.grammars.free(req.seq.seq_id)
 
     def close(self) -> None:
         "Abort every request and release the model and the KV cache; the engine cannot run after this."
@@ -249,15 +229,16 @@ class LLMEngine:
             current = current or self._launch(self.scheduler.schedule())
             if current is None:
                 return []
-            if self.config.async_scheduling and not self._constrained(current.plan):  # the next decode step goes to
-                # the device before this one is collected (not when a grammar needs this step's tokens for its mask)
+            if self.config.async_scheduling and not self.grammars.constrains(s.seq_id for s in current.plan.seqs):
+                # the next decode step goes to the device before this one is collected (not when a grammar needs the
+                # tokens of this step for its next mask)
                 self.in_flight = self._launch(plan_lookahead(self.scheduler, current.plan))
             waiting = time.perf_counter()
             token_ids, logprobs = self.executor.collect(current.handle)
             now = time.perf_counter()
             if logprobs is not None and logprobs.prompt:
                 self.outputs.book_prompt(current.plan, logprobs.prompt)
-            self._advance_grammars(current.plan, token_ids)
+            self.grammars.advance((seq.seq_id for seq in current.plan.sampled_seqs), token_ids)
             finished = self.scheduler.postprocess(current.plan, token_ids)
             outputs, done = self.outputs.process(current.plan, token_ids, logprobs and logprobs.sampled, finished, now)
         except BaseException:
@@ -288,51 +269,8 @@ class LLMEngine:
                 metrics = self.outputs.by_seq[seq.seq_id].metrics
                 metrics.first_scheduled_time = metrics.first_scheduled_time or now
         step = self.builder.build(plan)
-        if self.grammar_states:
-            self._fill_masks(step)
+        step.grammar = self.grammars.fill(step.seq_ids)  # structured outputs: the masks of constrained rows, or None
         return InFlightStep(plan, self.executor.launch(step))
-
-    # %% ../../notebooks/10_llm_engine.ipynb #58002be7
-    def _grammar(self, spec: StructuredOutputsParams, name: str) -> CompiledGrammar:
-        "A request's compiled grammar (each spec compiled once), or a ValueError naming the request."
-        if self.tokenizer is None:
-            raise ValueError(f"{name}: SamplingParams.structured_outputs needs the tokenizer (the engine has none)")
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError(f"{name}: SamplingParams.structured_outputs runs with tensor_parallel_size=1 only")
-        if self.grammars is None:
-            from minivllm.structured_outputs.grammar import GrammarCache
-
-            vocab_size, stop_ids = self.config.hf_config.vocab_size, list(self.config.eos_token_ids)
-            self.grammars = GrammarCache(self.tokenizer, vocab_size, stop_ids)
-        try:
-            return self.grammars.get(spec)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
-
-    def _constrained(self, plan: StepPlan) -> bool:
-        return bool(self.grammar_states) and any(seq.seq_id in self.grammar_states for seq in plan.seqs)
-
-    def _fill_masks(self, step: StepInputs) -> None:
-        "The next token's mask of each constrained row the step samples, filled on the host into `step`."
-        states = [self.grammar_states.get(seq_id) for seq_id in step.seq_ids.tolist()]
-        rows = [row for row, state in enumerate(states) if state is not None]
-        if not rows:
-            return
-        from minivllm.structured_outputs.state import allocate_bitmask
-
-        bitmask = allocate_bitmask(len(states), self.grammars.vocab_size)
-        for row in rows:
-            states[row].fill(bitmask, row)
-        step.grammar_bitmask, step.grammar_rows = bitmask.numpy(), rows
-
-    def _advance_grammars(self, plan: StepPlan, token_ids: list[int]) -> None:
-        "Each constrained sequence's state accepts the token it sampled."
-        if not self.grammar_states:
-            return
-        for seq, token in zip(plan.sampled_seqs, token_ids, strict=True):
-            state = self.grammar_states.get(seq.seq_id)
-            if state is not None and not state.finished and not state.accept(token):
-                raise RuntimeError(f"sequence {seq.seq_id} sampled token {token}, which its grammar does not allow")
 
     # %% ../../notebooks/10_llm_engine.ipynb #0fad759d
     def _count(self, plan: StepPlan, finished: list[Sequence], start: float, wait: float) -> None:

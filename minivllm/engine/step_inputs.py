@@ -122,8 +122,8 @@ class StepInputs:
     prompt_logits_indices: np.ndarray = field(default_factory=no_rows)  # [P] int64: the prompt rows whose
     prompt_target_ids: np.ndarray = field(default_factory=no_rows)  # log-probabilities were asked for, and the
     # prompt token that follows each
-    grammar_bitmask: np.ndarray | None = None  # [S, vocab / 32] int32: the next token's mask of constrained rows
-    grammar_rows: list[int] = field(default_factory=list)  # which sampled rows it constrains (deep dive 07)
+    grammar: tuple[np.ndarray, list[int]] | None = None  # structured outputs (deep dive 07): the next token's
+    # mask of each sampled row, [S, vocab / 32] int32, and the rows it constrains
 
     @property
     def sizes(self) -> StepSizes:
@@ -150,6 +150,7 @@ class StepInputs:
         self.write(numpy_views(buffer, self.sizes))
         return buffer
 
+    # %% ../../notebooks/09_model_runner.ipynb #6b8b1bc3
     def header(self) -> list[int]:
         "The sizes and scalars: with the packed buffer, all another process needs to have the step again."
         s = self.sizes
