@@ -602,7 +602,7 @@ def test_a_graphs_greedy_pick_is_taken_only_for_an_all_greedy_batch_with_nothing
             ids = np.array([100 + 2 * k, 101 + 2 * k])
             for seq_id, p in zip(ids.tolist(), params):
                 runner.add_request(seq_id, p, [5, 6, 7])
-            step = SimpleNamespace(seq_ids=ids)
+            step = SimpleNamespace(seq_ids=ids, grammar=None)
             took = runner._sample(logits.clone(), step, recorded).token_ids
             eager = runner._sample(logits.clone(), step, None).token_ids  # an eager step: no recorded pick
             if name == "greedy":
@@ -611,3 +611,10 @@ def test_a_graphs_greedy_pick_is_taken_only_for_an_all_greedy_batch_with_nothing
             else:
                 assert took.tolist() != recorded.tolist() and took[0] == argmax[0], name
                 assert took[0] == eager[0], name
+        only = int(recorded[1])  # a structured-outputs mask on row 1 that allows one token: the sampler must run
+        bitmask = np.full((2, (vocab + 31) // 32), -1, dtype=np.int32)
+        bitmask[1] = 0
+        bitmask[1, only // 32] = np.int32(np.uint32(1 << (only % 32)).view(np.int32))
+        step = SimpleNamespace(seq_ids=np.array([100, 101]), grammar=(bitmask, [1]))
+        took = runner._sample(logits.clone(), step, recorded).token_ids
+        assert took.tolist() == [int(argmax[0]), only]
