@@ -120,19 +120,19 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate.
-        `chat_template_kwargs` go to the template: Qwen3 answers without thinking first with
-            {"enable_thinking": False}."""
-        return self._run(
-            self.chat_prompts(messages, add_generation_prompt, chat_template_kwargs), sampling_params, use_tqdm
-        )
+        """Apply the tokenizer's chat template to one conversation or a list of them (and `tools`, OpenAI's function
+        specs), then generate. `chat_template_kwargs` go to the template: {"enable_thinking": False} for Qwen3."""
+        prompts = self.chat_prompts(messages, add_generation_prompt, chat_template_kwargs, tools)
+        return self._run(prompts, sampling_params, use_tqdm)
 
     def chat_prompts(
         self,
         messages: list[dict] | list[list[dict]],
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[str]:
         "The prompts `chat` generates from: each conversation through the tokenizer's chat template."
         tokenizer = self.get_tokenizer()
@@ -156,7 +156,11 @@ class LLM:
         try:
             return [
                 tokenizer.apply_chat_template(
-                    c, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+                    c,
+                    tools=tools,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    **(chat_template_kwargs or {}),
                 )
                 for c in conversations
             ]

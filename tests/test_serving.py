@@ -428,8 +428,8 @@ def test_invalid_json_is_400(http):
 @pytest.mark.parametrize(
     "route,extra,field",
     [
-        ("/v1/completions", {"tools": [{"type": "function"}]}, "tools"),  # (refused by name: structured output)
-        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+        ("/v1/completions", {"functions": [{"name": "f"}]}, "functions"),  # (refused by name: OpenAI's old calls)
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),  # a tool without a function
         ("/v1/completions", {"max_tokens": -1}, "max_tokens"),
         ("/v1/completions", {"temperature": -1}, "temperature"),
         ("/v1/chat/completions", {"temperature": -1}, "temperature"),
@@ -502,7 +502,7 @@ def test_unknown_model_and_route_are_404(http):
 def test_openai_client_raises_the_matching_errors(client):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):  # (a server without the parser)
         client.chat.completions.create(
             model=MODEL, messages=MESSAGES, extra_body={"tools": [{"type": "function", "function": {"name": "f"}}]}
         )

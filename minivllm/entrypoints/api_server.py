@@ -24,13 +24,19 @@ def build_app(
     max_waiting_requests: int = 1024,
     max_request_bytes: int = 1 << 20,
     shutdown_engine: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `llm`: /v1/models (and /v1/models/{id}), /v1/completions, /v1/chat/completions,
     /tokenize, /detokenize, /version, /health, /metrics.
-    With `shutdown_engine`, the server's shutdown (SIGTERM, Ctrl-C) also shuts the engine down."""
+    With `shutdown_engine`, the server's shutdown (SIGTERM, Ctrl-C) also shuts the engine down. `tool_call_parser`
+    ("hermes") reads tool calls the model chose to make; `reasoning_parser` ("qwen3") splits off `<think>` text."""
+    if tool_call_parser not in (None, "hermes") or reasoning_parser not in (None, "qwen3"):
+        raise ValueError(f"parsers: tool calls 'hermes', reasoning 'qwen3'; got {tool_call_parser}, {reasoning_parser}")
     app = FastAPI(title="minivllm", version=__version__, lifespan=lifespan)
     app.state.llm, app.state.model_name, app.state.max_waiting = llm, model_name, max_waiting_requests
     app.state.shutdown_engine = shutdown_engine
+    app.state.tool_call_parser, app.state.reasoning_parser = tool_call_parser, reasoning_parser
     app.state.registry = CollectorRegistry()
     app.state.metrics = EngineMetrics(llm, app.state.registry, model_name)
     add_error_handlers(app)

@@ -55,7 +55,14 @@ def parse_serve_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.add_argument(flag, type=kind, default=default)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-prefix-caching", action="store_true")
-    return ap.parse_args(argv)
+    ap.add_argument("--chat-template", default=None, help="a Jinja file to use instead of the model's chat template")
+    ap.add_argument("--enable-auto-tool-choice", action="store_true", help='tool_choice "auto" (a parser needed)')
+    ap.add_argument("--tool-call-parser", choices=["hermes"], default=None, help="how tool calls are written")
+    ap.add_argument("--reasoning-parser", choices=["qwen3"], default=None, help="<think> text to reasoning_content")
+    args = ap.parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        ap.error("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+    return args
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -76,12 +83,15 @@ def serve(argv: list[str] | None = None) -> int:
 
     args = parse_serve_args(argv)
     try:
+        template = None if args.chat_template is None else open(args.chat_template, encoding="utf-8").read()
         llm = AsyncLLM(args.model, **engine_kwargs(args))
-    except (ValueError, TypeError) as e:  # a bad model or engine flag: one line, as argparse says its errors
+    except (ValueError, TypeError, OSError) as e:  # a bad model or engine flag: one line, as argparse says its errors
         print(f"minivllm serve: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C while the model loads
         return 130
+    if template is not None and llm.tokenizer is not None:
+        llm.tokenizer.chat_template = template
     try:
         app = build_app(
             llm,
@@ -90,6 +100,8 @@ def serve(argv: list[str] | None = None) -> int:
             args.max_waiting_requests,
             args.max_request_bytes,
             shutdown_engine=True,
+            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+            reasoning_parser=args.reasoning_parser,
         )
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 
@@ -23,10 +24,13 @@ from minivllm.entrypoints.openai_format import (
 
 from ..llm import as_prompt_list
 from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
 from .async_llm import AsyncLLM, RequestOutputStream
+from .chat_output import ChatOutput
 from .errors import ERROR_KINDS, APIError
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .request_checks import check_model, fits, warn_ignored
+from .tool_calls import check_tools, forced_calls
 
 
 def submit(request: Request, model: str | None, prompts: list, params, prefix: str) -> list[RequestOutputStream]:
@@ -70,7 +74,7 @@ def submit(request: Request, model: str | None, prompts: list, params, prefix: s
 
 
 # %% auto #0
-__all__ = ["submit", "until_disconnected", "completions", "chat_completions", "render_chat"]
+__all__ = ["submit", "until_disconnected", "completions", "chat_completions", "read_tools", "render_chat"]
 
 
 # %% ../../notebooks/11_serving.ipynb #51bff0e1
@@ -142,31 +146,51 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     warn_ignored(body)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", ERROR_KINDS[400])
-    prompt = render_chat(llm, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(llm.engine.default_params, body.max_completion_tokens or body.max_tokens, logprobs)
+    output, params = read_tools(request.app.state, body, params)
+    prompt = render_chat(llm, body.messages, body.add_generation_prompt, body.chat_template_kwargs, body.tools)
     streams = submit(request, body.model, [prompt], params, "chatcmpl")
     head = {"id": streams[0].request_id, "created": int(time.time()), "model": request.app.state.model_name}
     if body.stream:
-        return sse(chat_chunks(streams, head, logprobs, body.include_usage, body.continuous_usage))
+        return sse(chat_chunks(streams, head, logprobs, body.include_usage, body.continuous_usage, output))
     finals = await until_disconnected(request, streams)
     if finals is None:
         return Response(status_code=499)
-    choices = [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": chat_logprobs(c, logprobs),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        for c in finals[0].outputs
-    ]
+    choices = []
+    for c in finals[0].outputs:
+        message = output.message(c.text)
+        choices.append(
+            {
+                "index": c.index,
+                "message": {"role": "assistant", **message},
+                "logprobs": chat_logprobs(c, logprobs),
+                "finish_reason": output.finish_reason(c.finish_reason, "tool_calls" in message),
+                "stop_reason": c.stop_reason,
+            }
+        )
     return {**head, "object": "chat.completion", "choices": choices, "usage": usage(finals)}
 
 
-def render_chat(llm: AsyncLLM, messages: list, add_generation_prompt: bool, template_kwargs: dict | None) -> str:
-    "The messages (a content may be a list of text parts) through the model's chat template, as the prompt's text."
+def read_tools(state, body: ChatCompletionRequest, params: SamplingParams) -> tuple[ChatOutput, SamplingParams]:
+    """How the answer's text is read (tool calls, reasoning: deep dive 11), and the params: a call that the request
+    forces ("required", a named function) is a grammar over the tools' schemas."""
+    functions = check_tools(body.tools, body.tool_choice)
+    choice = body.tool_choice or ("auto" if functions else "none")
+    if choice == "auto" and functions and state.tool_call_parser is None:
+        raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+    forced = forced_calls(functions, choice, body.parallel_tool_calls)
+    if forced is not None:
+        if params.structured_outputs is not None:
+            raise ValueError("tool_choice 'required' or a named function cannot be combined with a response format")
+        params = dataclasses.replace(params, structured_outputs=forced)
+    return ChatOutput(choice if functions else None, reasoning=state.reasoning_parser == "qwen3"), params
+
+
+def render_chat(
+    llm: AsyncLLM, messages: list, add_generation_prompt: bool, template_kwargs: dict | None, tools=None
+) -> str:
+    "The messages (a content may be a list of text parts) and the tools through the model's chat template, as text."
     if llm.tokenizer is None:
         raise APIError(400, "chat needs a tokenizer (the engine was started without one)", ERROR_KINDS[400])
     if "chat_template" in (template_kwargs or {}):  # (its loops would run on the server's event loop)
@@ -178,7 +202,11 @@ def render_chat(llm: AsyncLLM, messages: list, add_generation_prompt: bool, temp
     as_dicts = [m.as_dict(f"messages.{i}") for i, m in enumerate(messages)]
     try:
         return llm.tokenizer.apply_chat_template(
-            as_dicts, tokenize=False, **(template_kwargs or {}), add_generation_prompt=add_generation_prompt
+            as_dicts,
+            tools=tools,
+            tokenize=False,
+            **(template_kwargs or {}),
+            add_generation_prompt=add_generation_prompt,
         )
     except Exception as e:  # (jinja's errors: a template that rejects these messages)
         raise APIError(400, f"the chat template failed on these messages: {e}", ERROR_KINDS[400]) from None

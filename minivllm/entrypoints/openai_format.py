@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from ..outputs import CompletionOutput, RequestOutput
 from .async_llm import EngineDeadError, RequestOutputStream
+from .chat_output import ChatOutput
 
 
 def completion_choice(index: int, c: CompletionOutput, offset: int = 0, decode=None) -> dict:
@@ -193,13 +194,23 @@ async def completion_chunks(
 
 
 async def chat_chunks(
-    streams: list[RequestOutputStream], head: dict, top: int | None, include_usage: bool, continuous: bool = False
+    streams: list[RequestOutputStream],
+    head: dict,
+    top: int | None,
+    include_usage: bool,
+    continuous: bool = False,
+    output: ChatOutput | None = None,
 ) -> AsyncIterator[dict]:
-    started, prompt, tokens = set(), 0, {}
+    "Chunks of a chat answer; `output` (tool calls, reasoning: deep dive 11) turns each choice's text into fields."
+    started, prompt, tokens, readers = set(), 0, {}, {}
     async for _, out in merge_streams(streams):
         prompt = len(out.prompt_token_ids) or prompt
         for c in out.outputs:
-            delta = {"content": c.text} if c.index in started else {"role": "assistant", "content": c.text}
+            delta = {"content": c.text}
+            if output is not None:
+                reader = readers.setdefault(c.index, output.stream())
+                delta = reader.feed(c.text) | (reader.finish() if c.finish_reason else {})
+            delta = delta if c.index in started else {"role": "assistant", **delta}
             started.add(c.index)
             tokens[c.index] = tokens.get(c.index, 0) + len(c.token_ids)
             choice = {
@@ -209,6 +220,8 @@ async def chat_chunks(
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
+            if output is not None and c.finish_reason:
+                choice["finish_reason"] = output.finish_reason(c.finish_reason, readers[c.index].calls > 0)
             chunk = {**head, "object": "chat.completion.chunk", "choices": [choice]}
             if continuous:
                 chunk["usage"] = token_counts(prompt, tokens[c.index])

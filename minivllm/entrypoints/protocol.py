@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling_params import RequestOutputKind, SamplingParams
+from ..structured_outputs.params import StructuredOutputsParams
 
 DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 logger = logging.getLogger("minivllm.serve")
@@ -24,9 +25,11 @@ class StreamOptions(BaseModel):
 __all__ = [
     "DEFAULTED",
     "logger",
+    "GUIDED",
     "REFUSED",
     "StreamOptions",
     "SamplingFields",
+    "structured_outputs",
     "CompletionRequest",
     "ChatMessage",
     "ChatCompletionRequest",
@@ -65,6 +68,12 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    response_format: dict | None = None  # structured outputs (notebook 07): OpenAI's field,
+    structured_outputs: dict | None = None  # vLLM's, and vLLM's older ones
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_params(
         self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -88,6 +97,7 @@ class SamplingFields(BaseModel):
             logit_bias=bias,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            structured_outputs=structured_outputs(self),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
@@ -99,6 +109,37 @@ class SamplingFields(BaseModel):
     def continuous_usage(self) -> bool:
         "Usage on every chunk (vLLM's `stream_options.continuous_usage_stats`, which needs `include_usage`)."
         return self.include_usage and self.stream_options.continuous_usage_stats
+
+
+# %% ../../notebooks/11_serving.ipynb #6b7ca7db
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs(fields: SamplingFields) -> StructuredOutputsParams | None:
+    "The request's structured-outputs spec, from whichever one field asks for it; a ValueError names a bad one."
+    asked = {}
+    if fields.response_format is not None:
+        kind = fields.response_format.get("type")
+        if kind == "json_object":
+            asked["response_format"] = StructuredOutputsParams(json_object=True)
+        elif kind == "json_schema":
+            schema = (fields.response_format.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ValueError("response_format.json_schema.schema must be a JSON schema (an object)")
+            asked["response_format"] = StructuredOutputsParams(json=schema)
+        elif kind != "text":
+            raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    if fields.structured_outputs is not None:
+        try:
+            asked["structured_outputs"] = StructuredOutputsParams(**fields.structured_outputs)
+        except TypeError as e:
+            raise ValueError(f"structured_outputs: {e}") from None
+    for name, kind in GUIDED.items():
+        if getattr(fields, name) is not None:
+            asked[name] = StructuredOutputsParams(**{kind: getattr(fields, name)})
+    if len(asked) > 1:
+        raise ValueError(f"ask for structured outputs one way, got {', '.join(asked)}")
+    return next(iter(asked.values()), None)
 
 
 # %% ../../notebooks/11_serving.ipynb #558fb527
@@ -117,10 +158,13 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None  # a string, or a list of parts ({"type": "text", "text": ...})
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, sent back with the tools' results (deep dive 11)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def as_dict(self, where: str) -> dict:
         "The message as the chat template reads it: its parts joined into one text (vLLM joins them with newlines)."
         message = {"role": self.role, "content": content_text(self.content, where), "name": self.name}
+        message |= {"tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id}
         return {k: v for k, v in message.items() if v is not None}
 
 
@@ -134,20 +178,15 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict | None = None
     add_generation_prompt: bool = True
+    tools: list[dict] | None = None  # tool calling (deep dive 11)
+    tool_choice: str | dict | None = None  # "none", "auto", "required" or {"type": "function", "function": {...}}
+    parallel_tool_calls: bool = True
 
 
 # %% ../../notebooks/11_serving.ipynb #c0a49e01
 REFUSED = {  # fields that would change the output and are not supported yet, with the values that change nothing
-    "response_format": ({"type": "text"},),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "structured_outputs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
     "logits_processors": (),
     "suffix": ("",),
     "best_of": (1,),

@@ -41,8 +41,8 @@ def _compile(compiler: xgr.GrammarCompiler, p: StructuredOutputsParams) -> xgr.C
         if p.kind == "json":
             schema = p.json if isinstance(p.json, str) else json.dumps(p.json)
             return compiler.compile_json_schema(schema, any_whitespace=not p.disable_any_whitespace)
-        if p.kind == "json_object":
-            return compiler.compile_builtin_json_grammar()
+        if p.kind == "json_object":  # (an object, as OpenAI's JSON mode answers; xgrammar's built-in takes any value)
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=not p.disable_any_whitespace)
         if p.kind == "regex":
             return compiler.compile_regex(p.regex)
         if p.kind == "choice":  # a regex of the literal alternatives
