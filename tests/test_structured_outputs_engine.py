@@ -119,3 +119,35 @@ def test_vllm_guided_decoding_name_is_the_same_field():
     assert p.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
     with pytest.raises(TypeError, match="structured_outputs must be StructuredOutputsParams or None"):
         SamplingParams(structured_outputs={"choice": ["a"]})
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        dict(num_kvcache_blocks=50, block_size=4, max_num_seqs=8, max_model_len=200),  # preemption and recompute
+        dict(async_scheduling=True),  # no step planned ahead of a constrained one
+        dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=8),  # prompts cut in chunks
+    ],
+    ids=["preemption", "async", "chunked"],
+)
+def test_constrained_greedy_tokens_hold_under_engine_settings(engine):
+    "Eight constrained greedy requests, the kinds in turn: the same tokens as the plain engine's, and valid."
+    params = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=s) for s in SPECS.values()] * 2
+    prompts = [p * 8 for p in (PROMPTS * 2)[:8]]  # (long prompts: the 50 blocks cannot hold them all)
+    with LLM(TINY_MODEL_PATH, device="cpu") as plain:
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    with LLM(TINY_MODEL_PATH, device="cpu", **engine) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if "num_kvcache_blocks" in engine:
+            assert llm.llm_engine.stats.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == want
+    for kind, out in zip(list(SPECS) * 2, outs, strict=True):
+        check(kind, out.outputs[0].text)
+
+
+def test_a_stop_string_ends_a_constrained_request_early(llm):
+    "A stop string cuts the constrained text where it appears (the grammar is not finished: no validation)."
+    spec = StructuredOutputsParams(regex=r"alpha beta gamma delta")
+    out = llm.generate("x = ", SamplingParams(temperature=0, max_tokens=40, stop=[" gamma"], structured_outputs=spec))
+    completion = out[0].outputs[0]
+    assert completion.text == "alpha beta" and completion.finish_reason == "stop" and completion.stop_reason == " gamma"
