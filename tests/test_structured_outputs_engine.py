@@ -8,6 +8,7 @@ import re
 
 import jsonschema
 import pytest
+from test_gguf import smollm2 as smollm2  # the real model, fetched once (a re-export of the fixture)
 
 from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
 from minivllm.structured_outputs.params import StructuredOutputsParams
@@ -151,3 +152,18 @@ def test_a_stop_string_ends_a_constrained_request_early(llm):
     out = llm.generate("x = ", SamplingParams(temperature=0, max_tokens=40, stop=[" gamma"], structured_outputs=spec))
     completion = out[0].outputs[0]
     assert completion.text == "alpha beta" and completion.finish_reason == "stop" and completion.stop_reason == " gamma"
+
+
+@pytest.mark.slow
+def test_the_real_model_keeps_a_hundred_constraints(smollm2):
+    "SmolLM2-135M-Instruct (its own 49,152-token vocabulary and chat template): 100 constrained chat answers."
+    with LLM(smollm2, device="cpu", max_num_seqs=100) as real:
+        constrained = requests(100)
+        conversations = [[{"role": "user", "content": prompt}] for _, prompt, _ in constrained]
+        outs = real.chat(conversations, [s for _, _, s in constrained], use_tqdm=False)
+    stopped = 0
+    for (kind, _, _), out in zip(constrained, outs, strict=True):
+        if out.outputs[0].finish_reason == "stop":
+            stopped += 1
+            check(kind, out.outputs[0].text)
+    assert stopped >= 95, stopped
