@@ -17,13 +17,10 @@ $(STAMP): requirements.txt pyproject.toml
 
 venv: $(STAMP)
 
-## make test: the whole suite: the unit tests and every notebook re-run and compared (nbval), side by side (two
-## processes: the suite waits on servers, processes and kernels as much as it computes), then the export check
+## make test: the whole suite: unit tests, then every notebook re-run and compared (nbval), then the export check
 test: venv
-	@log=$$(mktemp); $(PY) -m pytest $(NBVAL) notebooks/ > $$log 2>&1 & notebooks=$$!; \
-	$(PY) -m pytest tests -m "not browser"; unit=$$?; \
-	wait $$notebooks; nb=$$?; echo "--- the notebooks (nbval), run beside the unit tests:"; cat $$log; rm -f $$log; \
-	[ $$unit -eq 0 ] && [ $$nb -eq 0 ]
+	$(PY) -m pytest tests -m "not browser"
+	$(PY) -m pytest $(NBVAL) notebooks/
 	$(PY) tools/export.py --check
 	$(PY) -m ruff format --check minivllm tools tests notebooks
 	$(PY) -m ruff check minivllm tools tests
