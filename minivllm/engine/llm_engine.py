@@ -269,7 +269,7 @@ class LLMEngine:
                 metrics = self.outputs.by_seq[seq.seq_id].metrics
                 metrics.first_scheduled_time = metrics.first_scheduled_time or now
         step = self.builder.build(plan)
-        step.grammar = self.grammars.fill(step.seq_ids)  # structured outputs: the masks of constrained rows, or None
+        step.grammar = self.grammars.masks(step.seq_ids)  # structured outputs: filled by the runner, or None
         return InFlightStep(plan, self.executor.launch(step))
 
     # %% ../../notebooks/10_llm_engine.ipynb #0fad759d

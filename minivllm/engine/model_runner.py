@@ -129,10 +129,11 @@ class ModelRunner:
         """Sample each row and queue the tokens' copy to the host (and their log-probabilities', when asked);
         `greedy_ids`: each row's argmax from a graph's replay, the tokens themselves if every row is greedy as it is."""
         sampling, generators = self.sampling.batch(step.seq_ids)
-        if step.grammar is not None:  # structured outputs: forbidden tokens to -inf before anything samples
+        mask = step.grammar() if step.grammar is not None else None  # (filled now: the forward pass is queued)
+        if mask is not None:  # structured outputs: forbidden tokens to -inf before anything samples
             from minivllm.structured_outputs.state import apply_bitmask  # (xgrammar, imported when first needed)
 
-            apply_bitmask(logits, torch.from_numpy(step.grammar[0]), step.grammar[1])
+            apply_bitmask(logits, torch.from_numpy(mask[0]), mask[1])
             greedy_ids = None  # (the graph's argmax saw the logits before the mask)
         if greedy_ids is not None and sampling.all_greedy and sampling.processors is None:
             self.last_sampled = greedy_ids  # (overwritten by the next replay, queued after every reader of this one)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -122,8 +123,9 @@ class StepInputs:
     prompt_logits_indices: np.ndarray = field(default_factory=no_rows)  # [P] int64: the prompt rows whose
     prompt_target_ids: np.ndarray = field(default_factory=no_rows)  # log-probabilities were asked for, and the
     # prompt token that follows each
-    grammar: tuple[np.ndarray, list[int]] | None = None  # structured outputs (deep dive 07): the next token's
-    # mask of each sampled row, [S, vocab / 32] int32, and the rows it constrains
+    grammar: Callable[[], tuple[np.ndarray, list[int]] | None] | None = None  # structured outputs (deep dive 07):
+    # fills the next token's mask of each sampled row, [S, vocab / 32] int32, and names the rows it constrains; called
+    # once the forward pass is queued, so the host fills while the device computes
 
     @property
     def sizes(self) -> StepSizes:

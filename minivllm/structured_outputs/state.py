@@ -3,6 +3,8 @@
 # %% ../../notebooks/deep_dives/07_structured_outputs.ipynb #29ab61f5
 from __future__ import annotations
 
+import functools
+
 import torch
 import xgrammar as xgr
 
@@ -35,12 +37,28 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return xgr.allocate_token_bitmask(rows, vocab_size)
 
 
+def fill_bitmask(states: list[GrammarState], bitmask: torch.Tensor, rows: list[int]) -> None:
+    "Write each state's next-token mask into its row of `bitmask`, on several host threads (xgrammar's batch matcher)."
+    batch_matcher().batch_fill_next_token_bitmask([state.matcher for state in states], bitmask, rows)
+
+
+@functools.cache
+def batch_matcher() -> xgr.BatchGrammarMatcher:
+    return xgr.BatchGrammarMatcher(max_threads="auto")
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     "Set to -inf, in place, the logits of the tokens the mask forbids, in the given rows only (the others are free)."
-    if rows:
-        bitmask = bitmask.to(logits.device, non_blocking=True)
+    if not rows:
+        return
+    if logits.device.type == "cpu":
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+        return
+    # a copy from pinned memory, and no row indices to upload: neither waits for the forward pass still running (the
+    # rows of free sequences allow every token, so applying every row changes only the constrained ones)
+    bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
 
 
 # %% auto #0
-__all__ = ["GrammarState", "allocate_bitmask", "apply_bitmask"]
+__all__ = ["GrammarState", "allocate_bitmask", "fill_bitmask", "batch_matcher", "apply_bitmask"]

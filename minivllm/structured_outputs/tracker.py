@@ -3,7 +3,8 @@
 # %% ../../notebooks/deep_dives/07_structured_outputs.ipynb #3fb6d876
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 
 import numpy as np
 
@@ -18,6 +19,7 @@ class GrammarTracker:
         self.tensor_parallel_size = tensor_parallel_size
         self.cache = None  # a GrammarCache, made by the first constrained request (it imports xgrammar)
         self.states: dict = {}  # seq_id -> GrammarState
+        self.overlap = True  # fill the masks while the device computes (False: before the step launches)
 
     def compile(self, spec: StructuredOutputsParams, name: str):
         "The spec's compiled grammar (compiled once), or a ValueError naming the request."
@@ -51,11 +53,10 @@ class GrammarTracker:
         rows = [row for row, state in enumerate(states) if state is not None]
         if not rows:
             return None
-        from minivllm.structured_outputs.state import allocate_bitmask
+        from minivllm.structured_outputs.state import allocate_bitmask, fill_bitmask
 
-        bitmask = allocate_bitmask(len(states), self.vocab_size)
-        for row in rows:
-            states[row].fill(bitmask, row)
+        bitmask = allocate_bitmask(len(states), self.vocab_size)  # (every row allows every token until filled)
+        fill_bitmask([states[row] for row in rows], bitmask, rows)
         return bitmask.numpy(), rows
 
     def advance(self, seq_ids: Iterable[int], token_ids: list[int]) -> None:
@@ -64,6 +65,17 @@ class GrammarTracker:
             state = self.states.get(seq_id)
             if state is not None and not state.finished and not state.accept(token):
                 raise RuntimeError(f"sequence {seq_id} sampled token {token}, which its grammar does not allow")
+
+    # %% ../../notebooks/deep_dives/07_structured_outputs.ipynb #38d27305
+    def masks(self, seq_ids: np.ndarray) -> Callable[[], tuple[np.ndarray, list[int]] | None] | None:
+        """A step's masks (`seq_ids`: its sampled rows) as a function the runner calls once the forward pass is
+        queued, so the host fills them while the device computes; None if no row is constrained."""
+        if not self.constrains(seq_ids.tolist()):
+            return None
+        if not self.overlap:  # (the plain way, filled before the launch: tools/structured_bench.py measures both)
+            filled = self.fill(seq_ids)
+            return lambda: filled
+        return partial(self.fill, seq_ids)
 
 
 # %% auto #0
