@@ -1,0 +1,216 @@
+"""Speculative decoding's pieces (notebooks/deep_dives/10_speculative_decoding.ipynb): vLLM's speculative_config
+checked once, the n-gram proposer's choice of match, and a rejection sampler whose first emitted token follows the
+target distribution exactly (chi-square at alpha 0.001) and whose mean acceptance matches the theory."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.spec_decode.ngram import NgramProposer, ngram_match, propose_ngram
+from minivllm.spec_decode.rejection import rejection_sample
+
+ALPHA = 0.001  # the goodness-of-fit tests' significance level
+
+
+def test_config_parses_both_methods_with_vllm_defaults():
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2})
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 4, 2, 2)
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    c = SpeculativeConfig.from_dict({"model": "draft/path", "num_speculative_tokens": 3})
+    assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", "draft/path", 3)
+
+
+@pytest.mark.parametrize(
+    "d, message",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model"),
+        ({"num_speculative_tokens": 2}, "method must be one of ngram, draft_model, got None"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown key(s) ['k']; allowed keys: method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1, got 0"),
+        ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1, got None"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "(3) must"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be an"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model applies to method 'draft_model'"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' needs model"),
+        ({"model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "apply to method 'ngram' only"),
+    ],
+)
+def test_config_errors_name_the_field_and_what_it_allows(d, message):
+    with pytest.raises(ValueError, match="speculative_config: ") as error:
+        SpeculativeConfig.from_dict(d)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "tokens, min_n, max_n, k, expected",
+    [
+        ([1, 2, 3, 4, 2, 3], 2, 3, 4, [4, 2, 3]),  # k truncated by the end of the history
+        ([1, 2, 3, 4], 1, 3, 4, []),  # nothing recurs
+        ([7], 1, 1, 3, []),  # too short to recur
+        ([1, 2, 9, 9, 1, 2], 2, 2, 2, [9, 9]),  # the match is at the very start
+        ([5, 1, 2, 9, 1, 2, 7, 1, 2], 2, 2, 2, [9, 1]),  # two earlier occurrences: the earliest wins (vLLM)
+        ([3, 1, 2, 8, 4, 1, 2, 6, 4, 1, 2], 1, 3, 2, [6, 4]),  # the longest n wins over an earlier shorter match
+        ([3, 1, 2, 8, 4, 1, 2, 6, 4, 1, 2], 1, 2, 2, [8, 4]),  # max_n = 2: the earliest [1, 2]
+        ([4, 1, 2, 6, 9, 2], 2, 3, 2, []),  # only n = 1 recurs and min_n = 2
+        ([4, 1, 2, 6, 9, 2], 1, 3, 2, [6, 9]),
+        ([1, 1, 1, 1], 2, 2, 5, [1, 1]),  # an occurrence may overlap the suffix
+    ],
+)
+def test_ngram_proposals_on_hand_made_histories(tokens, min_n, max_n, k, expected):
+    assert propose_ngram(np.array(tokens), min_n, max_n, k).tolist() == expected
+
+
+def test_ngram_matches_the_plain_definition_on_random_histories():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        t = rng.integers(0, 3, int(rng.integers(1, 30))).tolist()
+        min_n = int(rng.integers(1, 4))
+        max_n = min_n + int(rng.integers(0, 3))
+        want = (0, -1)
+        for n in range(min(max_n, len(t) - 1), min_n - 1, -1):
+            starts = [s for s in range(len(t) - n) if t[s : s + n] == t[-n:]]
+            if starts:
+                want = (n, starts[0] + n)
+                break
+        assert ngram_match(np.array(t), min_n, max_n) == want, (t, min_n, max_n)
+
+
+def test_ngram_proposer_batches_and_caps_each_sequence():
+    config = SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    )
+    histories = [np.array([1, 2, 3, 4, 5, 1, 2]), np.array([1, 2, 3]), np.array([9, 8, 7, 6, 9, 8])]
+    assert NgramProposer(config).propose(histories) == [[3, 4, 5], [], [7, 6, 9]]
+    assert NgramProposer(config).propose(histories, max_k=[1, 5, 0]) == [[3], [], []]
+    with pytest.raises(ValueError, match="method 'ngram'"):
+        NgramProposer(SpeculativeConfig.from_dict({"model": "x", "num_speculative_tokens": 2}))
+
+
+def one_hot_rows(argmaxes: list[int], vocab: int = 5) -> torch.Tensor:
+    rows = torch.full((len(argmaxes), vocab), 0.05)
+    rows[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 1 - 0.05 * (vocab - 1)
+    return rows
+
+
+def test_greedy_keeps_the_longest_matching_prefix_then_the_target_token():
+    target = one_hot_rows([1, 2, 3, 0, 4, 4, 2, 3, 1, 0])  # sequences of 3, 2, 0 and 2 guesses: 4 + 3 + 1 + 2 rows
+    guesses = torch.tensor([1, 2, 4, 4, 4, 0, 0])
+    out = rejection_sample(guesses, [3, 2, 0, 2], target, None, [True] * 4)
+    assert out == [[1, 2, 3], [4, 4, 2], [3], [1]]
+    draft_probs = torch.softmax(torch.randn(7, 5), 1)  # greedy ignores q
+    assert rejection_sample(guesses, [3, 2, 0, 2], target, draft_probs, [True] * 4) == out
+    assert rejection_sample(torch.tensor([], dtype=torch.long), [0, 0], target[:2], None, [True, True]) == [[1], [2]]
+
+
+def sample_first_tokens(p: torch.Tensor, q: torch.Tensor | None, guesses: torch.Tensor, n: int) -> list[list[int]]:
+    k = p.shape[0] - 1
+    draft_probs = None if q is None else q.repeat(n, 1)
+    return rejection_sample(guesses, [k] * n, p.repeat(n, 1), draft_probs, [False] * n)
+
+
+def expected_and_sd_of_accepted(beta: torch.Tensor, n: int) -> tuple[float, float]:
+    "E[accepted] = sum_j prod_{i<=j} beta_i, and the standard error of a mean of n (P(A >= j) = prod_{i<=j} beta_i)."
+    tail = beta.double().cumprod(0)
+    mean = tail.sum().item()
+    second = sum((2 * j + 1) * t for j, t in enumerate(tail.tolist()))  # E[A^2] = sum_j (2j - 1) P(A >= j)
+    return mean, math.sqrt((second - mean**2) / n)
+
+
+@pytest.fixture
+def target_and_draft() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(1.5 * torch.randn(4, 6, generator=g), 1)
+    p[:, 5] = 0  # a token the target never says
+    p /= p.sum(1, keepdim=True)
+    q = torch.softmax(1.5 * torch.randn(3, 6, generator=g), 1)
+    return p, q
+
+
+@pytest.mark.parametrize("draft", ["draft_model", "ngram"])
+def test_first_emitted_token_follows_the_target_and_acceptance_matches_theory(draft, target_and_draft):
+    p, q = target_and_draft
+    n, k = 20_000, 3
+    torch.manual_seed(1)
+    if draft == "ngram":
+        q_used = None
+        guesses = torch.tensor([2, 0, 1] * n)
+        beta = p[torch.arange(k), torch.tensor([2, 0, 1])]
+    else:
+        q_used = q
+        guesses = torch.multinomial(q, n, replacement=True).T.reshape(-1)
+        beta = torch.minimum(p[:k], q).sum(1)
+    out = sample_first_tokens(p, q_used, guesses, n)
+    assert all(p[j, t] > 0 for tokens in out for j, t in enumerate(tokens))  # never a token of probability 0
+    counts = np.bincount([tokens[0] for tokens in out], minlength=6)
+    expected = p[0, :5].double().numpy() / p[0, :5].double().sum().item() * n
+    assert chisquare(counts[:5], expected).pvalue > ALPHA
+    mean, sd = expected_and_sd_of_accepted(beta, n)
+    measured = np.mean([len(tokens) - 1 for tokens in out])
+    assert abs(measured - mean) < 5 * sd, (measured, mean, sd)  # 5 standard errors
+
+
+def test_the_fit_test_rejects_the_raw_draft(target_and_draft):
+    "The same test has the power to see a wrong distribution: the draft's own first guesses fail it."
+    p, q = target_and_draft
+    torch.manual_seed(1)
+    guesses = torch.multinomial(q[0], 20_000, replacement=True)
+    counts = np.bincount(guesses.numpy(), minlength=6)
+    expected = p[0, :5].double().numpy() / p[0, :5].double().sum().item() * counts[:5].sum()
+    assert chisquare(counts[:5], expected).pvalue < ALPHA
+
+
+def test_seeded_sequences_repeat_whatever_the_batch(target_and_draft):
+    p, q = target_and_draft
+    guesses = torch.multinomial(q, 50, replacement=True, generator=torch.Generator().manual_seed(3)).T.reshape(-1)
+
+    def first_of(batch: int, seed: int) -> list[int]:
+        gens = [torch.Generator().manual_seed(seed)] + [None] * (batch - 1)
+        return rejection_sample(
+            guesses[: 3 * batch], [3] * batch, p.repeat(batch, 1), q.repeat(batch, 1), [False] * batch, gens
+        )[0]
+
+    runs = {seed: first_of(1, seed) for seed in range(20)}
+    assert all(first_of(50, seed) == runs[seed] for seed in (0, 7, 19))
+    assert len({tuple(r) for r in runs.values()}) > 1  # the seed matters
+
+
+def greedy_reference(guesses: list[int], rows: torch.Tensor) -> list[int]:
+    "The plain rule: keep guesses while each is its row's argmax; then the argmax of the first row that disagrees."
+    out = []
+    for guess, row in zip(guesses, rows):
+        if guess != row.argmax().item():
+            break
+        out.append(guess)
+    return out + [rows[len(out)].argmax().item()]
+
+
+def test_mixed_batch_of_greedy_and_sampled_rows_with_varying_k(target_and_draft):
+    p, q = target_and_draft
+    counts = [3, 0, 2, 1, 3]
+    flat = [[p[0].argmax().item(), p[1].argmax().item(), (p[2].argmax().item() + 1) % 5], [], [3, 4], [4], [0, 1, 2]]
+    rows = torch.cat([p[: c + 1] for c in counts])
+    out = rejection_sample(
+        torch.tensor(sum(flat, [])), counts, rows, torch.cat([q[:c] for c in counts]), [True, False, True, False, False]
+    )
+    assert out[0] == greedy_reference(flat[0], p) and len(out[0]) == 3  # two guesses kept, the third replaced
+    assert out[2] == greedy_reference(flat[2], p)
+    for tokens, c, guesses in zip(out, counts, flat):
+        assert 1 <= len(tokens) <= c + 1 and tokens[:-1] == guesses[: len(tokens) - 1]
+        assert all(p[j, t] > 0 for j, t in enumerate(tokens))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_runs_on_cuda_tensors(target_and_draft):
+    p, q = target_and_draft
+    guesses = torch.tensor([0, 1, 2, 3, 4, 4])
+    gens = [torch.Generator("cuda").manual_seed(0), None]
+    out = rejection_sample(guesses.cuda(), [3, 3], p.repeat(2, 1).cuda(), q.repeat(2, 1).cuda(), [False, True], gens)
+    assert out[1] == greedy_reference([3, 4, 4], p)
+    assert all(p[j, t] > 0 for tokens in out for j, t in enumerate(tokens))
