@@ -69,7 +69,8 @@ def rejection_sample(
     """Verify a batch of guesses. Sequence i has num_draft_tokens[i] = k_i guesses (flat in `draft_token_ids`) and
     k_i + 1 rows of `target_probs` (the last for the bonus token); `draft_probs` holds q for each guess, or is None
     when the guesses are deterministic (n-gram: q is one-hot). Returns each sequence's emitted tokens: its accepted
-    guesses and one token from the target. Runs on the tensors' device; the one host sync is the final list."""
+    guesses and one token from the target. `generators`: one per sequence or None (the global generator), on the
+    tensors' device. Runs on the tensors' device; the one host sync is the final list."""
     device, vocab = target_probs.device, target_probs.shape[1]
     counts = list(num_draft_tokens)
     seq, pos, starts = _offsets(counts, device)
