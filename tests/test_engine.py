@@ -615,6 +615,6 @@ def test_a_graphs_greedy_pick_is_taken_only_for_an_all_greedy_batch_with_nothing
         bitmask = np.full((2, (vocab + 31) // 32), -1, dtype=np.int32)
         bitmask[1] = 0
         bitmask[1, only // 32] = np.int32(np.uint32(1 << (only % 32)).view(np.int32))
-        step = SimpleNamespace(seq_ids=np.array([100, 101]), grammar=(bitmask, [1]))
+        step = SimpleNamespace(seq_ids=np.array([100, 101]), grammar=lambda: (bitmask, [1]))
         took = runner._sample(logits.clone(), step, recorded).token_ids
         assert took.tolist() == [int(argmax[0]), only]
