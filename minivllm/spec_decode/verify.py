@@ -11,12 +11,18 @@ from ..layers.sampler import SamplingTensors, apply_min_p, apply_top_k, apply_to
 from .rejection import rejection_sample
 
 
+def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    "Probability 1 on each row's argmax (float32, made in place: no int64 one-hot of the vocabulary)."
+    zeros = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    return zeros.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
 def target_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
     """Per row, the distribution the sampler would draw from (temperature, top-k, top-p, min-p as `Sampler.sample`
     applies them); a greedy row is one-hot on its argmax, so that ties break exactly as the sampler breaks them."""
-    greedy = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
     if sampling.all_greedy:
-        return greedy
+        return one_hot_argmax(logits)
+    greedy = None if sampling.all_random else one_hot_argmax(logits)  # (before the filters change the logits)
     logits = logits.float() / sampling.temperatures.unsqueeze(1)  # (a new tensor: the filters work in place)
     if sampling.top_p is not None:
         logits = apply_top_k_top_p(logits, sampling.top_k, sampling.top_p)
@@ -25,11 +31,11 @@ def target_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tenso
     if sampling.min_p is not None:
         logits = apply_min_p(logits, sampling.min_p)
     probs = logits.softmax(dim=-1)
-    return probs if sampling.all_random else torch.where(sampling.greedy_mask.unsqueeze(1), greedy, probs)
+    return probs if greedy is None else torch.where(sampling.greedy_mask.unsqueeze(1), greedy, probs)
 
 
 # %% auto #0
-__all__ = ["target_probs", "verify"]
+__all__ = ["one_hot_argmax", "target_probs", "verify"]
 
 
 # %% ../../notebooks/deep_dives/10_speculative_decoding.ipynb #9e0a969e
