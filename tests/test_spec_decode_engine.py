@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.async_llm import AsyncLLM
+from minivllm.entrypoints.cli import engine_kwargs, parse_serve_args
 from minivllm.entrypoints.metrics import EngineMetrics
 from minivllm.structured_outputs.params import StructuredOutputsParams
 
@@ -181,3 +183,13 @@ def test_acceptance_is_exported_under_vllms_metric_names():
         assert value("num_accepted_tokens") == stats.num_spec_accepted_tokens > 0
     finally:
         llm.shutdown()
+
+
+def test_serve_takes_vllms_speculative_config_flag(capsys):
+    args = parse_serve_args([TINY_MODEL_PATH, "--speculative-config", json.dumps(SPEC)])
+    assert engine_kwargs(args)["speculative_config"] == SPEC
+    assert "speculative_config" not in engine_kwargs(parse_serve_args([TINY_MODEL_PATH]))
+    for bad in ("{not json", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            parse_serve_args([TINY_MODEL_PATH, "--speculative-config", bad])
+        assert "--speculative-config" in capsys.readouterr().err
