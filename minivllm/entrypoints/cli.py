@@ -48,6 +48,11 @@ def int_in(low: int, high: int | None = None):
     return integer
 
 
+# %% auto #0
+__all__ = ["ENGINE_FLAGS", "json_object", "int_in", "parse_serve_args", "engine_kwargs", "serve"]
+
+
+# %% ../../notebooks/deep_dives/10_command_line.ipynb #3e81a15a
 def parse_serve_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="minivllm serve", description="An OpenAI-compatible server over one model.")
     ap.add_argument("model", help="a checkpoint folder, a GGUF file or a Hugging Face id")
@@ -81,10 +86,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in ENGINE_FLAGS}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     return kwargs | {"enforce_eager": args.enforce_eager, "enable_prefix_caching": not args.no_prefix_caching}
-
-
-# %% auto #0
-__all__ = ["ENGINE_FLAGS", "json_object", "int_in", "parse_serve_args", "engine_kwargs", "serve"]
 
 
 # %% ../../notebooks/deep_dives/10_command_line.ipynb #a0b9bbcf
