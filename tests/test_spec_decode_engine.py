@@ -146,16 +146,35 @@ def test_unsupported_configurations_are_refused(kwargs, message):
         LLM(TINY_MODEL_PATH, device="cpu", **kwargs)
 
 
-def test_requests_that_change_logits_or_follow_a_grammar_are_refused():
+LOGITS_CHANGES = [
+    dict(repetition_penalty=1.3),
+    dict(presence_penalty=0.8),
+    dict(frequency_penalty=0.5),
+    dict(logit_bias={16: 5.0, 264: -3.0}),
+    dict(min_tokens=8, ignore_eos=False, stop_token_ids=[16]),
+    dict(bad_words=["count += x", " the"]),
+    dict(allowed_token_ids=list(range(400))),
+]
+
+
+def test_logits_processors_see_the_earlier_guesses_of_their_step():
+    "Each row of a speculating sequence is processed with its earlier guesses in the history, as one step each."
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
+    params = [dataclasses.replace(GREEDY, **change) for change in LOGITS_CHANGES for _ in prompts]
+    plain, _ = run(prompts * len(LOGITS_CHANGES), params, speculative=False)
+    spec, engine = run(prompts * len(LOGITS_CHANGES), params)
+    assert completions(spec) == completions(plain)
+    assert engine.stats.num_spec_accepted_tokens > 0
+    sampled = [dataclasses.replace(p, temperature=0.8, seed=i) for i, p in enumerate(params)]
+    first, _ = run(prompts * len(LOGITS_CHANGES), sampled)
+    again, _ = run(prompts * len(LOGITS_CHANGES), sampled)
+    assert completions(first) == completions(again)
+
+
+def test_structured_outputs_are_refused():
     llm = LLM(TINY_MODEL_PATH, device="cpu", speculative_config=SPEC)
-    for params, name in [
-        (SamplingParams(presence_penalty=0.5), "penalties"),
-        (SamplingParams(min_tokens=2), "min_tokens"),
-        (SamplingParams(logit_bias={5: 1.0}), "logit_bias"),
-        (SamplingParams(structured_outputs=StructuredOutputsParams(regex="[ab]+")), "structured_outputs"),
-    ]:
-        with pytest.raises(ValueError, match=name):
-            llm.generate("hello", params, use_tqdm=False)
+    with pytest.raises(ValueError, match="structured_outputs is not supported with speculative_config"):
+        llm.generate("hello", SamplingParams(structured_outputs=StructuredOutputsParams(regex="[ab]+")), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
 
 

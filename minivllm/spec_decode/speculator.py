@@ -18,11 +18,6 @@ def check_request(params: SamplingParams, name: str) -> None:
     "A request the speculating engine cannot serve yet: a ValueError that names what it asked for."
     if params.structured_outputs is not None:
         raise ValueError(f"{name}: structured_outputs is not supported with speculative_config yet")
-    if params.changes_logits:
-        raise ValueError(
-            f"{name}: penalties, min_tokens, bad_words, logit_bias and allowed_token_ids are not supported with "
-            "speculative_config yet (they would need the step's earlier proposals in the token history)"
-        )
 
 
 # %% auto #0

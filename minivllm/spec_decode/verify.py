@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from ..engine.step_inputs import StepInputs
+from ..layers.logits_processors import LogitsProcessors, TokenHistory
 from ..layers.sampler import SamplingTensors, apply_min_p, apply_top_k, apply_top_k_top_p, gather_logprobs
 from .rejection import rejection_sample
 
@@ -35,7 +36,45 @@ def target_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tenso
 
 
 # %% auto #0
-__all__ = ["one_hot_argmax", "target_probs", "verify"]
+__all__ = ["HISTORY", "one_hot_argmax", "target_probs", "book", "processed_logits", "book_emitted", "verify"]
+
+# %% ../../notebooks/deep_dives/10_speculative_decoding.ipynb #b1e16604
+HISTORY = ("counts", "num_generated", "recent")  # what booking a token changes in a request's TokenHistory slot
+
+
+def book(history: TokenHistory, pairs: list[tuple[int, int]]) -> None:
+    "Book one token per (slot, token) pair; the slots are distinct."
+    if pairs:
+        slots, tokens = zip(*pairs)
+        device = history.counts.device
+        history.update(torch.tensor(slots, device=device), torch.tensor(tokens, device=device))
+
+
+def processed_logits(
+    logits: torch.Tensor, processors: LogitsProcessors, starts: list[int], step: StepInputs
+) -> torch.Tensor:
+    """The logits processors (penalties, min_tokens, bad words, logit_bias, allowed tokens) applied as if the guesses
+    came one step at a time: a sequence's row j sees its first j guesses in the token history, put back afterwards."""
+    history, counts, draft = processors.history, step.num_draft_tokens, step.draft_token_ids.tolist()
+    slot_of = dict(zip(processors.rows.tolist(), processors.slots.tolist()))
+    slots = torch.tensor(sorted(set(slot_of.values())), dtype=torch.int64, device=logits.device)
+    saved = [getattr(history, name)[slots] for name in HISTORY]
+    firsts = np.cumsum([0, *counts])[:-1].tolist()  # each sequence's first guess among the flat guesses
+    out = logits.to(torch.float32, copy=True)
+    for j in range(max(counts) + 1):
+        at = [r + j for r, k in zip(starts, counts) if j <= k]
+        out[at] = processors(logits)[at]
+        book(history, [(slot_of[r], draft[f + j]) for r, k, f in zip(starts, counts, firsts) if j < k and r in slot_of])
+    for name, values in zip(HISTORY, saved):
+        getattr(history, name)[slots] = values
+    return out
+
+
+def book_emitted(processors: LogitsProcessors, starts: list[int], emitted: list[list[int]]) -> None:
+    "The emitted tokens into the token history, one depth at a time (as the sampler books one token per step)."
+    slot_of = dict(zip(processors.rows.tolist(), processors.slots.tolist()))
+    for j in range(max(map(len, emitted), default=0)):
+        book(processors.history, [(slot_of[r], e[j]) for r, e in zip(starts, emitted) if j < len(e) and r in slot_of])
 
 
 # %% ../../notebooks/deep_dives/10_speculative_decoding.ipynb #9e0a969e
@@ -48,16 +87,17 @@ def verify(
 ) -> tuple[list[list[int]], list[list[dict] | None] | None]:
     """A speculative step's tokens: sequence i's k_i + 1 rows of `logits` verify its k_i proposals. Returns its
     emitted tokens (the accepted guesses, then one from the target) and, where asked, their log-probabilities."""
-    if sampling.processors is not None:
-        raise RuntimeError("speculative decoding applies no logits processors (the engine refuses such requests)")
-    counts = step.num_draft_tokens
+    counts, processors = step.num_draft_tokens, sampling.processors
     rows = (np.cumsum([0, *counts])[:-1] + np.arange(len(counts))).tolist()  # each sequence's first row
     greedy = [True] * len(rows) if sampling.all_greedy else [False] * len(rows)
     if sampling.greedy_mask is not None:
         greedy = sampling.greedy_mask[rows].tolist()
     gens = [(generators or {}).get(r, generator) for r in rows]  # a seeded request's own generator, or the engine's
     draft = torch.from_numpy(step.draft_token_ids).to(logits.device)
-    emitted = rejection_sample(draft, counts, target_probs(logits, sampling), None, greedy, gens)
+    changed = logits if processors is None else processed_logits(logits, processors, rows, step)
+    emitted = rejection_sample(draft, counts, target_probs(changed, sampling), None, greedy, gens)
+    if processors is not None:
+        book_emitted(processors, rows, emitted)
     if sampling.max_num_logprobs is None:
         return emitted, None
     at = [r + j for r, tokens in zip(rows, emitted) for j in range(len(tokens))]  # the rows the tokens came from
