@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PretrainedConfig
 
+from .spec_decode.config import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -46,6 +48,7 @@ class EngineConfig:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     async_scheduling: bool
+    speculative_config: SpeculativeConfig | None = None  # speculative decoding (deep dive 10), or None
 
     @property
     def attention_backend(self) -> str:

@@ -16,6 +16,7 @@ from .config import EngineConfig, eos_token_ids, read_generation_config, samplin
 from .kernels.backends import select_backend
 from .models.hub import resolve_model
 from .models.registry import load_config
+from .spec_decode.config import engine_speculative_config
 
 
 def _check(ok: bool, message: str) -> None:
@@ -140,12 +141,14 @@ class EngineArgs:
     generation_config: str = "auto"  # auto: default sampling from generation_config.json; vllm: ignore it
     load_format: str = "auto"  # dummy: seeded random weights made in place (config.json suffices)
     kv_cache_dtype: str = "auto"  # fp8: the KV cache in 8 bits (e4m3), half the bytes (notebook 06)
+    speculative_config: dict | None = field(default=None, hash=False)  # vLLM's dict: ngram speculation (deep dive 10)
     hf_config: PretrainedConfig | None = field(default=None, repr=False, hash=False)  # instead of config.json
 
     def __post_init__(self):
         check_types(self)
         check_sizes(self)
         check_choices(self)
+        engine_speculative_config(self.speculative_config, self.tensor_parallel_size)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineArgs:
@@ -203,6 +206,7 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
             async_scheduling=self.async_scheduling,
+            speculative_config=engine_speculative_config(self.speculative_config, self.tensor_parallel_size),
         )
 
 

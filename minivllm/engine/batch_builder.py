@@ -56,25 +56,29 @@ __all__ = [
 def prepare_step(plan: StepPlan, block_size: int) -> StepInputs:
     "The host arrays of any step: sequence i computes its tokens [num_computed, num_computed + n) of the plan."
     ids, positions, slots, logits_indices, kv_lens, offset, prompt_rows, targets = [], [], [], [], [], 0, [], []
-    for seq, n in zip(plan.seqs, plan.num_new_tokens):
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+    spec = plan.spec_token_ids or [()] * len(plan.seqs)  # proposals to verify (deep dive 10): k of the n tokens
+    for seq, n, guesses in zip(plan.seqs, plan.num_new_tokens, spec):
+        start, end, k = seq.num_computed_tokens, seq.num_computed_tokens + n, len(guesses)
         for p in prompt_logprob_positions(seq, n):  # (the next token may be in the next chunk)
             prompt_rows.append(offset + p - start)
             targets.append(seq.token_ids[p + 1])
         pos = np.arange(start, end, dtype=np.int64)
-        ids.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
+        ids.append(np.asarray(seq.token_ids[start : end - k] + list(guesses) if k else seq.token_ids[start:end]))
         positions.append(pos)
         slots.append(np.asarray(seq.block_table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size)
         offset += n
-        if end == seq.num_tokens:  # the step reaches its end: its last row is sampled
-            logits_indices.append(offset - 1)
+        if end - k == seq.num_tokens:  # the step reaches its end: its last row is sampled (k + 1 rows with guesses)
+            logits_indices.extend(range(offset - 1 - k, offset))
         kv_lens.append(end)
+    drafts = None if plan.spec_token_ids is None else [len(g) for g, s in zip(spec, plan.is_sampled) if s]
     return StepInputs(
         input_ids=np.concatenate(ids),
         positions=np.concatenate(positions),
         slot_mapping=np.concatenate(slots),
         logits_indices=np.asarray(logits_indices, dtype=np.int64),
-        seq_ids=seq_ids(plan.sampled_seqs),
+        seq_ids=seq_ids(plan.sampled_seqs)
+        if drafts is None
+        else np.repeat(seq_ids(plan.sampled_seqs), np.add(drafts, 1)),
         cu_seqlens_q=cumsum0(plan.num_new_tokens),
         cu_seqlens_k=cumsum0(kv_lens),
         context_lens=np.asarray(kv_lens, dtype=np.int32),
@@ -84,6 +88,8 @@ def prepare_step(plan: StepPlan, block_size: int) -> StepInputs:
         max_seqlen_k=max(kv_lens),
         prompt_logits_indices=np.asarray(prompt_rows, dtype=np.int64),
         prompt_target_ids=np.asarray(targets, dtype=np.int64),
+        num_draft_tokens=drafts,
+        draft_token_ids=None if drafts is None else np.asarray([t for g in spec for t in g], dtype=np.int64),
     )
 
 

@@ -28,25 +28,15 @@ from ..config import EngineConfig
 from ..engine_args import EngineArgs, takes_engine_arguments
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
+from ..spec_decode.speculator import Speculator, check_request
 from ..structured_outputs.tracker import GrammarTracker
 from .batch_builder import BatchBuilder
 from .executor import make_executor
 from .lookahead import plan_lookahead
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
+from .stats import EngineStats
 from .step_trace import StepRecord
-
-
-@dataclass
-class EngineStats:
-    "Counters over the engine's life (progress bars, benchmarks and tests read them)."
-
-    num_steps: int = 0
-    num_prompt_tokens: int = 0  # prompt tokens computed (recomputation after preemption included)
-    num_generated_tokens: int = 0
-    prefill_time: float = 0.0  # seconds in steps that computed prompt tokens
-    decode_time: float = 0.0  # seconds in decode-only steps
-    num_preemptions: int = 0  # sequences pushed out of a full KV cache, to be recomputed later
 
 
 @dataclass
@@ -68,7 +58,7 @@ def default_sampling_params(config: EngineConfig) -> SamplingParams:
 
 
 # %% auto #0
-__all__ = ["EngineStats", "InFlightStep", "default_sampling_params", "LLMEngine"]
+__all__ = ["InFlightStep", "default_sampling_params", "LLMEngine"]
 
 
 # %% ../../notebooks/10_llm_engine.ipynb #19f16d45
@@ -99,6 +89,8 @@ class LLMEngine:
             raise
         self.default_params = default_sampling_params(c)
         self.stats = EngineStats()
+        spec = c.speculative_config  # speculative decoding (deep dive 10), or None
+        self.speculator = None if spec is None else Speculator(spec, self.scheduler, self.outputs, self.stats)
         self.in_flight: InFlightStep | None = None  # a step launched ahead (asynchronous scheduling)
         self.trace: list[StepRecord] | None = None  # a record of every step, from `start_trace()` on
         self.grammars = GrammarTracker(self.tokenizer, c.hf_config.vocab_size, c.eos_token_ids, c.tensor_parallel_size)
@@ -112,6 +104,8 @@ class LLMEngine:
         "Check one request completely, without queueing it (`add_request` takes the result)."
         params = checked_params(self.default_params if params is None else params, name)
         params = fit_to_model(params, self.tokenizer, self.config.hf_config.vocab_size, name)
+        if self.speculator is not None:
+            check_request(params, name)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs, name)  # (deep dive 07: a bad spec fails its call)
         text, ids = prompt_token_ids(
@@ -226,10 +220,15 @@ class LLMEngine:
         "Launch a planned step (or take the one launched ahead), collect its tokens; return the finished and streamed."
         start, current, self.in_flight = time.perf_counter(), self.in_flight, None
         try:
+            if current is None and self.speculator is not None:
+                self.speculator.propose()  # (nothing in flight: every sequence's tokens are known)
             current = current or self._launch(self.scheduler.schedule())
             if current is None:
                 return []
-            if self.config.async_scheduling and not self.grammars.constrains(s.seq_id for s in current.plan.seqs):
+            ahead = self.config.async_scheduling and (
+                self.speculator is None or self.speculator.may_plan_ahead(current.plan)
+            )
+            if ahead and not self.grammars.constrains(s.seq_id for s in current.plan.seqs):
                 # the next decode step goes to the device before this one is collected (not when a grammar needs the
                 # tokens of this step for its next mask)
                 self.in_flight = self._launch(plan_lookahead(self.scheduler, current.plan))
@@ -238,9 +237,13 @@ class LLMEngine:
             now = time.perf_counter()
             if logprobs is not None and logprobs.prompt:
                 self.outputs.book_prompt(current.plan, logprobs.prompt)
-            self.grammars.advance((seq.seq_id for seq in current.plan.sampled_seqs), token_ids)
-            finished = self.scheduler.postprocess(current.plan, token_ids)
-            outputs, done = self.outputs.process(current.plan, token_ids, logprobs and logprobs.sampled, finished, now)
+            plan, sampled = current.plan, logprobs and logprobs.sampled
+            if plan.spec_token_ids is not None:  # a list of tokens per sequence (deep dive 10)
+                finished, outputs, done = self.speculator.process(plan, token_ids, sampled, now)
+            else:
+                self.grammars.advance((seq.seq_id for seq in plan.sampled_seqs), token_ids)
+                finished = self.scheduler.postprocess(plan, token_ids)
+                outputs, done = self.outputs.process(plan, token_ids, sampled, finished, now)
         except BaseException:
             self.in_flight = None
             self.executor.synchronize()  # let launched work finish before anything reuses its blocks

@@ -16,6 +16,7 @@ from ..layers.linear import pack_for_cpu
 from ..layers.sampler import LogprobsTensors, Sampler, SamplingTensors, gather_logprobs
 from ..models.registry import build_model
 from ..sampling_params import SamplingParams
+from ..spec_decode.verify import verify
 from .cuda_graph import CUDAGraphRunner, MixedGraphRunner
 from .host_memory import reuse_freed_memory
 from .kv_cache import allocate_kv_cache, attention_layers, kv_budget, num_kv_blocks
@@ -33,6 +34,8 @@ class StepHandle:
     host_ids: torch.Tensor | None = None  # their copy in pinned host memory, complete once `copied` has passed
     copied: torch.cuda.Event | None = None
     prompt_logprobs: LogprobsTensors | None = None  # of the step's prompt rows, when a request asked for them
+    emitted: tuple[list[list[int]], list | None] | None = None  # a speculative step (deep dive 10): each sequence's
+    # emitted tokens, and their log-probabilities where asked for
 
 
 @dataclass
@@ -111,14 +114,20 @@ class ModelRunner:
     def launch(self, step: StepInputs) -> StepHandle:
         "Queue the forward pass, the sampled rows' logits and (first rank) the sampler, and return at once."
         input_ids = self._ahead_input_ids(step) if step.ahead else None
-        decode = step.is_decode_only  # (decode graphs: every sequence samples; mixed graphs: the other steps)
-        graphs = self.graphs if decode else self.mixed_graphs
-        graph = graphs is not None and graphs.can_run(step)
+        graphs = self.graphs if step.is_decode_only else self.mixed_graphs  # (decode graphs: every sequence samples)
+        graph = graphs is not None and step.num_draft_tokens is None and graphs.can_run(step)  # (proposals: eager)
         logits, prompt = (graphs.replay(step, input_ids), None) if graph else self._forward(step, input_ids)
         if self.tp.rank != 0:  # not the sampling rank
             return StepHandle()
         greedy_ids = graphs.greedy_ids[: len(logits)] if graph and logits is not None else None
-        handle = StepHandle() if logits is None else self._sample(logits, step, greedy_ids)  # None: prompt chunks only
+        if logits is None:  # prompt chunks only
+            handle = StepHandle()
+        elif step.num_draft_tokens is not None:  # speculative decoding: verify the proposals (deep dive 10)
+            handle = StepHandle(
+                emitted=verify(logits, step, *self.sampling.batch(step.seq_ids), self.sampling.generator)
+            )
+        else:
+            handle = self._sample(logits, step, greedy_ids)
         if prompt is not None:  # prompt log-probabilities: a few rows of prompt steps (never in a graph)
             handle.prompt_logprobs = gather_logprobs(*prompt, self.sampling.max_prompt_logprobs()).to_host()
         if self.device.type == "cuda" and (logits is not None or prompt is not None):
@@ -145,6 +154,20 @@ class ModelRunner:
         host_ids = self.last_sampled.to("cpu", non_blocking=True)  # queued behind the sampler, into pinned memory
         return StepHandle(self.last_sampled, logprobs, sampling, host_ids)
 
+    # %% ../../notebooks/09_model_runner.ipynb #2ab327b1
+    @torch.inference_mode()
+    def collect(self, handle: StepHandle) -> tuple[list[int], StepLogprobs | None]:
+        "The step's sampled tokens (and log-probabilities, where asked for) on the host."
+        if handle.copied is not None:  # the host waits for this step's copy, not for a step launched after it
+            handle.copied.synchronize()
+        if handle.emitted is not None:  # a speculative step: a list of tokens per sequence (deep dive 10)
+            token_ids, sampled = handle.emitted
+        else:
+            token_ids = [] if handle.host_ids is None else handle.host_ids.tolist()
+            sampled = handle.logprobs and handle.logprobs.tolists(handle.sampling.num_logprobs)
+        prompt = handle.prompt_logprobs and handle.prompt_logprobs.rows()
+        return token_ids, None if sampled is None and prompt is None else StepLogprobs(sampled, prompt)
+
     def _forward(
         self, step: StepInputs, input_ids: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
@@ -169,17 +192,6 @@ class ModelRunner:
         else:
             ids = torch.empty(n, dtype=torch.int64, device=self.device)
         return broadcast(ids, self.tp)
-
-    # %% ../../notebooks/09_model_runner.ipynb #2ab327b1
-    @torch.inference_mode()
-    def collect(self, handle: StepHandle) -> tuple[list[int], StepLogprobs | None]:
-        "The step's sampled tokens (and log-probabilities, where asked for) on the host."
-        if handle.copied is not None:  # the host waits for this step's copy, not for a step launched after it
-            handle.copied.synchronize()
-        token_ids = [] if handle.host_ids is None else handle.host_ids.tolist()
-        sampled = handle.logprobs and handle.logprobs.tolists(handle.sampling.num_logprobs)
-        prompt = handle.prompt_logprobs and handle.prompt_logprobs.rows()
-        return token_ids, None if sampled is None and prompt is None else StepLogprobs(sampled, prompt)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

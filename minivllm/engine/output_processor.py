@@ -215,6 +215,11 @@ class OutputProcessor:
     # %% ../../notebooks/deep_dives/10_output_processor.ipynb #7c073244
     def _book(self, req: Request, token_id: int, logprobs: dict[int, tuple] | None, now: float) -> RequestOutput | None:
         "Book one new token of `req`; its output only when it finished or streams (unread outputs would cost dearly)."
+        self.book_token(req, token_id, logprobs, now)
+        return req.output(self.tokenizer) if req.seq.is_finished or req.stream else None
+
+    def book_token(self, req: Request, token_id: int, logprobs: dict[int, tuple] | None, now: float) -> None:
+        "One new token's logprobs, metrics, text and stop strings (a speculative step books several: deep dive 10)."
         seq, metrics = req.seq, req.metrics
         if logprobs is not None:
             seq.logprobs.append(self.as_logprobs(logprobs))
@@ -237,7 +242,6 @@ class OutputProcessor:
             metrics.finished_time = now
             if req.text is None and self.tokenizer is not None:
                 req.text = self.tokenizer.decode(seq.completion_token_ids, **decode_options(seq.sampling_params))
-        return req.output(self.tokenizer) if seq.is_finished or req.stream else None
 
     # %% ../../notebooks/deep_dives/10_output_processor.ipynb #7c073245
     def as_logprobs(self, entries: dict[int, tuple[float, int]]) -> dict[int, Logprob]:

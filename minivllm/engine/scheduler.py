@@ -11,7 +11,11 @@ from .sequence import Sequence, SequenceStatus
 
 POLICIES = ("mixed", "prefill_first")
 
+# %% auto #0
+__all__ = ["POLICIES", "StepPlan", "check_stop", "Scheduler"]
 
+
+# %% ../../notebooks/03_scheduler.ipynb #80014b71
 @dataclass
 class StepPlan:
     "One step's work: which sequences run, how many of their next tokens each computes, and what follows from it."
@@ -24,14 +28,24 @@ class StepPlan:
     num_prefill_tokens: int  # new tokens of the `prefill` sequences
     preempted: list[Sequence] = field(default_factory=list)  # pushed out of memory while the step was planned
     ahead_rows: list[int] | None = None  # planned ahead (10): input token i is row ahead_rows[i] of the last samples
+    spec_token_ids: list[list[int]] | None = None  # per sequence: the proposals it verifies (deep dive 10), or None
 
     @classmethod
-    def of(cls, seqs: list[Sequence], num_new_tokens: list[int], preempted: list[Sequence] | None = None) -> StepPlan:
-        "The plan of any step: the flags are worked out from where each sequence stands."
-        sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, num_new_tokens)]
+    def of(
+        cls,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        preempted: list[Sequence] | None = None,
+        spec_token_ids: list[list[int]] | None = None,
+    ) -> StepPlan:
+        "The plan of any step: the flags are worked out from where each sequence stands (and what it verifies)."
+        n_real = (
+            num_new_tokens if spec_token_ids is None else [n - len(g) for n, g in zip(num_new_tokens, spec_token_ids)]
+        )
+        sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, n_real)]
         prefill = [
             not (n == 1 and s.num_prompt_tokens <= s.num_computed_tokens == s.num_tokens - 1)
-            for s, n in zip(seqs, num_new_tokens)
+            for s, n in zip(seqs, n_real)
         ]
         return cls(
             seqs,
@@ -41,6 +55,7 @@ class StepPlan:
             [s for s, m in zip(seqs, sample) if m],
             sum(n for n, p in zip(num_new_tokens, prefill) if p),
             preempted or [],
+            spec_token_ids=spec_token_ids,
         )
 
     @classmethod
@@ -59,10 +74,6 @@ class StepPlan:
     def is_decode_only(self) -> bool:
         "Every sequence computes exactly one token (the shape CUDA graphs are captured for)."
         return bool(self.seqs) and self.num_new_tokens.count(1) == len(self.num_new_tokens)
-
-
-# %% auto #0
-__all__ = ["POLICIES", "StepPlan", "check_stop", "Scheduler"]
 
 
 # %% ../../notebooks/03_scheduler.ipynb #0931faea
@@ -156,7 +167,8 @@ class Scheduler:
                 self._schedule_running(budget, scheduled, preempted, prefill=False)
         if not scheduled and self.has_unfinished():
             raise RuntimeError(f"the scheduler could not schedule anything: {self!r}")
-        return StepPlan.of([s for s, _ in scheduled], [n for _, n in scheduled], preempted)
+        spec = [s.spec_token_ids[: max(0, n - s.num_uncomputed_tokens)] for s, n in scheduled]  # (deep dive 10)
+        return StepPlan.of([s for s, _ in scheduled], [n for _, n in scheduled], preempted, spec if any(spec) else None)
 
     def _schedule_running(self, budget: int, scheduled: list, preempted: list, prefill: bool | None = None) -> int:
         "Give running sequences their next tokens, in admission order (only prompt work, or only decodes, if asked)."
@@ -167,6 +179,8 @@ class Scheduler:
             if prefill is not None and (seq.num_uncomputed_tokens > 1) != prefill:
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
+            if n == 1 and seq.spec_token_ids:  # a decode that also verifies its proposals (deep dive 10)
+                n += min(len(seq.spec_token_ids), budget - 1)
             if (
                 n != 1 or seq.num_computed_tokens >= len(seq.block_table) * self.block_size
             ):  # not a decode in a held block

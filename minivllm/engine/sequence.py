@@ -52,6 +52,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict] = []  # per completion token: {token id: Logprob} (notebook 10)
         self.num_preemptions = 0
+        self.spec_token_ids: list[int] = []  # proposals for its next step (speculative decoding, deep dive 10)
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
 
     def __len__(self) -> int:

@@ -126,6 +126,8 @@ class StepInputs:
     grammar: Callable[[], tuple[np.ndarray, list[int]] | None] | None = None  # structured outputs (deep dive 07):
     # fills the next token's mask of each sampled row, [S, vocab / 32] int32, and names the rows it constrains; called
     # once the forward pass is queued, so the host fills while the device computes
+    num_draft_tokens: list[int] | None = None  # speculative decoding (deep dive 10): per sampled sequence, how many
+    draft_token_ids: np.ndarray | None = None  # proposals it verifies (k + 1 rows of `logits_indices`), all flat
 
     @property
     def sizes(self) -> StepSizes:

@@ -4,11 +4,21 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 from .api_server import build_app
 from .async_llm import AsyncLLM
+
+
+def json_object(text: str) -> dict:
+    "An argparse type: a JSON object, as vLLM's --speculative-config takes it."
+    value = json.loads(text)  # (a ValueError: argparse says "invalid ... value")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text}")
+    return value
+
 
 ENGINE_FLAGS = (
     ("--device", str, "auto"),
@@ -22,6 +32,7 @@ ENGINE_FLAGS = (
     ("--seed", int, None),
     ("--generation-config", str, None),
     ("--tokenizer", str, None),
+    ("--speculative-config", json_object, None),  # '{"method": "ngram", ...}' (deep dive 10)
 )
 
 
@@ -37,6 +48,11 @@ def int_in(low: int, high: int | None = None):
     return integer
 
 
+# %% auto #0
+__all__ = ["ENGINE_FLAGS", "json_object", "int_in", "parse_serve_args", "engine_kwargs", "serve"]
+
+
+# %% ../../notebooks/deep_dives/10_command_line.ipynb #3e81a15a
 def parse_serve_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="minivllm serve", description="An OpenAI-compatible server over one model.")
     ap.add_argument("model", help="a checkpoint folder, a GGUF file or a Hugging Face id")
@@ -70,10 +86,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in ENGINE_FLAGS}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     return kwargs | {"enforce_eager": args.enforce_eager, "enable_prefix_caching": not args.no_prefix_caching}
-
-
-# %% auto #0
-__all__ = ["ENGINE_FLAGS", "int_in", "parse_serve_args", "engine_kwargs", "serve"]
 
 
 # %% ../../notebooks/deep_dives/10_command_line.ipynb #a0b9bbcf

@@ -54,8 +54,17 @@ class Twin:
             metric.observe(value)
 
 
+COUNTED = ("num_prompt_tokens", "num_generated_tokens", "num_preemptions")
+COUNTED += ("num_spec_drafts", "num_spec_draft_tokens", "num_spec_accepted_tokens")  # speculative decoding
+
+
+def counted(stats) -> tuple[int, ...]:
+    "The engine's counters that become Prometheus counters (their increments since the last step)."
+    return tuple(getattr(stats, name) for name in COUNTED)
+
+
 # %% auto #0
-__all__ = ["LATENCY_BUCKETS", "TOKEN_BUCKETS", "Twin", "EngineMetrics"]
+__all__ = ["LATENCY_BUCKETS", "TOKEN_BUCKETS", "COUNTED", "Twin", "counted", "EngineMetrics"]
 
 
 # %% ../../notebooks/11_serving.ipynb #aa086d6b
@@ -84,6 +93,9 @@ class EngineMetrics:
         self.model_name = model_name
         self.success = vllm(Counter, "request_success", "Requests finished, by finish reason.", ["finished_reason"])
         self.preemptions = vllm(Counter, "num_preemptions", "Sequences preempted (to be recomputed).")
+        self.spec_drafts = vllm(Counter, "spec_decode_num_drafts", "Sequence steps that verified proposals.")
+        self.spec_draft_tokens = vllm(Counter, "spec_decode_num_draft_tokens", "Proposed tokens verified.")
+        self.spec_accepted = vllm(Counter, "spec_decode_num_accepted_tokens", "Proposed tokens accepted.")
         self.cache_queries = vllm(Counter, "prefix_cache_queries", "Prompt tokens of finished requests.")
         self.cache_hits = vllm(Counter, "prefix_cache_hits", "Of them, tokens found in the prefix cache.")
         self.request_tokens = {
@@ -96,8 +108,7 @@ class EngineMetrics:
             )
             for phase in ("queue", "prefill", "decode", "inference")
         }
-        stats = llm.engine.stats
-        self.counted = (stats.num_prompt_tokens, stats.num_generated_tokens, stats.num_preemptions)  # from now on
+        self.counted = counted(llm.engine.stats)  # from now on
         llm.step_hooks.append(self.record)
 
     def record(self, outputs: list[RequestOutput], now: float) -> None:
@@ -106,11 +117,10 @@ class EngineMetrics:
         self.running.set(len(engine.scheduler.running))
         self.waiting.set(self.llm.num_waiting)
         self.kv_usage.set(engine.scheduler.block_manager.usage)
-        stats = engine.stats
-        counts = (stats.num_prompt_tokens, stats.num_generated_tokens, stats.num_preemptions)
-        for metric, new, old in zip(
-            (self.prompt_tokens, self.generation_tokens, self.preemptions), counts, self.counted
-        ):
+        counts = counted(engine.stats)
+        metrics = (self.prompt_tokens, self.generation_tokens, self.preemptions)
+        metrics += (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted)
+        for metric, new, old in zip(metrics, counts, self.counted):
             metric.inc(new - old)
         self.counted = counts
         for out in outputs:

@@ -64,4 +64,21 @@ class SpeculativeConfig:
 
 
 # %% auto #0
-__all__ = ["METHODS", "KEYS", "DEFAULT_LOOKUP", "SpeculativeConfig"]
+__all__ = ["METHODS", "KEYS", "DEFAULT_LOOKUP", "SpeculativeConfig", "engine_speculative_config"]
+
+
+# %% ../../notebooks/deep_dives/10_speculative_decoding.ipynb #db3980a3
+def engine_speculative_config(d: dict[str, Any] | None, tensor_parallel_size: int = 1) -> SpeculativeConfig | None:
+    "`EngineArgs.speculative_config` parsed, and refused by name where the engine cannot speculate yet."
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        raise TypeError(f"speculative_config must be a dict of vLLM's keys or None, got {type(d).__name__}")
+    config = SpeculativeConfig.from_dict(d)
+    if config.method == "draft_model":
+        raise ValueError("speculative_config: method 'draft_model' is not supported yet; use method 'ngram'")
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            f"speculative_config is not supported with tensor_parallel_size > 1 yet (got {tensor_parallel_size})"
+        )
+    return config
