@@ -6,6 +6,11 @@
 - Nothing may reach the Hugging Face hub: everything runs offline from local folders.
 - Figures a notebook saves (`minivllm.viz.figures.save_figure`) go to a temporary folder: a test run leaves the work
   tree as it was (`make notebooks` writes figures/).
+- torch runs one thread (OMP_NUM_THREADS=1, unless set): here, in every notebook's kernel and in every process a test
+  starts (a server, a client, a tensor-parallel rank). The tiny shapes gain little from more, and where the cores
+  are busy (the other processes of a test, or a busy CI machine) threads that wait for each other are descheduled:
+  a step several times slower. Outputs do not depend on it (tools/numerics_matrix.sh runs the suite on 1 and 4);
+  tools/run_notebooks.py imports this file, so the outputs it stores come from the same setting.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("MINIVLLM_FIGURES", tempfile.mkdtemp(prefix="minivllm-figures-"))
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # (before torch is imported: its thread pool reads it)
 
 
 def cuda_available() -> bool:

@@ -1,4 +1,4 @@
-"""Soak test (project issue 8): 3,000 random requests through one engine on the tiny model.
+"""Soak test (project issue 8): 2,000 random requests through one engine on the tiny model.
 
 The requests mix every feature (greedy, temperature, top-k / top-p / min-p, seeds, stop strings, stop token ids,
 logprobs, ignore_eos, max_tokens up to max_model_len, penalties, min_tokens, logit_bias), prompts of every length (token
@@ -6,7 +6,7 @@ ids, text, a shared prefix for the prefix cache), and every way in: `LLM.generat
 `step`, and `LLM.stream` (some streams abandoned half-way). A KV cache of 12 sequences' worth for up to 32 running
 sequences keeps it preempting. Each request is kept short (max_model_len 48, prompts up to 44 tokens, max_tokens up to
 12 or, for 2% of them, None: up to max_model_len): what it checks is the engine's bookkeeping over many requests, not
-long generations, and short requests keep the 3,000 of them cheap.
+long generations, and short requests keep the 2,000 of them cheap.
 
 Checked: every request is answered with a sane output (finished, a finish reason that matches its tokens, lengths
 within max_tokens and max_model_len, logprobs that belong to the tokens); repeated greedy and seeded requests give the
@@ -17,7 +17,7 @@ Why 50 MB for the memory: after the first 500 requests the engine has touched it
 code path, and everything per request (sequence, detokenizer, logprobs, outputs) is dropped when the request ends. What
 may still move is the allocators' slack: glibc arenas and PyTorch's CPU caching of temporaries, which varies with the
 largest batch seen so far, a few MB to a few tens of MB. A real leak of what a request holds (its sequence, token
-lists, logprobs dicts, about 10-50 kB) over the 2,500 requests after warm-up is 25-125 MB, and a leaked KV block or
+lists, logprobs dicts, about 10-50 kB) over the 1,500 requests after warm-up is 15-75 MB, and a leaked KV block or
 tensor per step far more; the object census below catches smaller leaks of engine objects exactly.
 """
 
@@ -37,7 +37,7 @@ from minivllm.engine.output_processor import Request
 from minivllm.engine.sequence import Sequence
 from minivllm.models.registry import load_config
 
-NUM_REQUESTS = 3000
+NUM_REQUESTS = 2000
 WARMUP = 500
 MAX_MODEL_LEN = 48
 RSS_GROWTH_LIMIT = 50 * 2**20

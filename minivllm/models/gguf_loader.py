@@ -3,6 +3,7 @@
 # %% ../../notebooks/deep_dives/08_gguf_smollm2.ipynb #92fb9666
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from collections.abc import Iterator
@@ -188,19 +189,27 @@ def gguf_weights(path, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str
 
 
 # %% ../../notebooks/deep_dives/08_gguf_smollm2.ipynb #fc4c143a
+@functools.lru_cache(maxsize=2)
+def _converted_tokenizer(path: str, version: tuple):
+    from transformers import AutoTokenizer  # (imported when needed: it costs seconds)
+
+    folder, name = os.path.split(path)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+
+
 def gguf_tokenizer(path):
-    "The tokenizer and chat template in the GGUF file `path`, through `transformers`' conversion of its vocabulary."
+    """The tokenizer and chat template in the GGUF file `path`, through `transformers`' conversion of its vocabulary.
+    The conversion reads the whole file twice (seconds): it runs once per version of the file, each caller gets a
+    copy."""
     meta, _ = gguf_header(path)
     if "tokenizer.ggml.model" not in meta:
         raise ValueError(
             f"{os.fspath(path)!r} holds no tokenizer: pass tokenizer= a folder (or Hub id) with the "
             "model's tokenizer files, or skip_tokenizer_init=True and give prompts as token ids"
         )
-    from transformers import AutoTokenizer  # (imported when needed: it costs seconds)
-
-    folder, name = os.path.split(os.path.abspath(path))
+    stat = os.stat(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        tokenizer = copy.deepcopy(_converted_tokenizer(os.path.abspath(path), (stat.st_size, stat.st_mtime_ns)))
     except Exception as e:  # (the conversion raises what its parts raise)
         raise ValueError(f"cannot make a tokenizer of {os.fspath(path)!r} ({type(e).__name__}: {e})") from None
     if (eos := meta.get("tokenizer.ggml.eos_token_id")) is not None:  # (transformers' Llama conversion takes the
