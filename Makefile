@@ -17,10 +17,13 @@ $(STAMP): requirements.txt pyproject.toml
 
 venv: $(STAMP)
 
-## make test: the whole suite: unit tests, then every notebook re-run and compared (nbval), then the export check
+## make test: the whole suite: the unit tests and every notebook re-run and compared (nbval), side by side (two
+## processes, each running torch on one thread (conftest.py), one per core of a 2-core CI machine), then the checks
 test: venv
-	$(PY) -m pytest tests -m "not browser"
-	$(PY) -m pytest $(NBVAL) notebooks/
+	@log=$$(mktemp); $(PY) -m pytest $(NBVAL) notebooks/ > $$log 2>&1 & notebooks=$$!; \
+	$(PY) -m pytest tests -m "not browser"; unit=$$?; \
+	wait $$notebooks; nb=$$?; echo "--- the notebooks (nbval), run beside the unit tests:"; cat $$log; rm -f $$log; \
+	[ $$unit -eq 0 ] && [ $$nb -eq 0 ]
 	$(PY) tools/export.py --check
 	$(PY) -m ruff format --check minivllm tools tests notebooks
 	$(PY) -m ruff check minivllm tools tests
