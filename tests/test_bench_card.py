@@ -99,3 +99,12 @@ def test_the_benchmark_says_it_needs_cuda(capsys):
     from minivllm.bench import main
 
     assert main([]) == 2 and "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_the_benchmark_takes_vllms_speculative_config(capsys):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    assert parse_args(["--speculative-config", json.dumps(spec)]).speculative_config == spec
+    assert parse_args([]).speculative_config is None
+    with pytest.raises(SystemExit):
+        parse_args(["--speculative-config", "{method: ngram"])
+    assert "--speculative-config" in capsys.readouterr().err

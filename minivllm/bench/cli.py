@@ -117,6 +117,12 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
     ):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 3}\'',
+    )
 
 
 # %% ../../notebooks/deep_dives/13_benchmark_harness.ipynb #8d618271
@@ -240,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        speculative_config=args.speculative_config,
     )
     report = Report(
         model=model,
