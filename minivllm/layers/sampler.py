@@ -31,6 +31,7 @@ __all__ = [
     "apply_min_p",
     "random_sample",
     "SamplingTensors",
+    "filtered_probs",
     "Sampler",
     "LogprobsTensors",
     "logprob_dict",
@@ -130,6 +131,18 @@ class SamplingTensors:
 
 
 # %% ../../notebooks/07_sampler.ipynb #3c877908
+def filtered_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+    "Each row's distribution after its temperature, top-k / top-p and min-p: what a random row is drawn from."
+    logits = logits.float() / sampling.temperatures.unsqueeze(1)  # a new tensor: the filters work in place
+    if sampling.top_p is not None:
+        logits = apply_top_k_top_p(logits, sampling.top_k, sampling.top_p)
+    elif sampling.top_k is not None:
+        logits = apply_top_k(logits, sampling.top_k, sampling.max_top_k)
+    if sampling.min_p is not None:
+        logits = apply_min_p(logits, sampling.min_p)
+    return logits.softmax(dim=-1)
+
+
 class Sampler(nn.Module):
     "Logits [B, V] -> one token id per row [B], each row sampled with its own request's parameters."
 
@@ -158,14 +171,7 @@ class Sampler(nn.Module):
         if sampling.all_greedy:
             return logits.argmax(dim=-1)
         greedy_ids = None if sampling.all_random else logits.argmax(dim=-1)
-        logits = logits.float() / sampling.temperatures.unsqueeze(1)  # a new tensor: the filters work in place
-        if sampling.top_p is not None:
-            logits = apply_top_k_top_p(logits, sampling.top_k, sampling.top_p)
-        elif sampling.top_k is not None:
-            logits = apply_top_k(logits, sampling.top_k, sampling.max_top_k)
-        if sampling.min_p is not None:
-            logits = apply_min_p(logits, sampling.min_p)
-        token_ids = random_sample(logits.softmax(dim=-1), generators, generator)
+        token_ids = random_sample(filtered_probs(logits, sampling), generators, generator)
         return token_ids if greedy_ids is None else torch.where(sampling.greedy_mask, greedy_ids, token_ids)
 
 

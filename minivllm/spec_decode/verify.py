@@ -8,7 +8,7 @@ import torch
 
 from ..engine.step_inputs import StepInputs
 from ..layers.logits_processors import LogitsProcessors, TokenHistory
-from ..layers.sampler import SamplingTensors, apply_min_p, apply_top_k, apply_top_k_top_p, gather_logprobs
+from ..layers.sampler import SamplingTensors, filtered_probs, gather_logprobs
 from .rejection import rejection_sample
 
 
@@ -23,15 +23,8 @@ def target_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tenso
     applies them); a greedy row is one-hot on its argmax, so that ties break exactly as the sampler breaks them."""
     if sampling.all_greedy:
         return one_hot_argmax(logits)
-    greedy = None if sampling.all_random else one_hot_argmax(logits)  # (before the filters change the logits)
-    logits = logits.float() / sampling.temperatures.unsqueeze(1)  # (a new tensor: the filters work in place)
-    if sampling.top_p is not None:
-        logits = apply_top_k_top_p(logits, sampling.top_k, sampling.top_p)
-    elif sampling.top_k is not None:
-        logits = apply_top_k(logits, sampling.top_k, sampling.max_top_k)
-    if sampling.min_p is not None:
-        logits = apply_min_p(logits, sampling.min_p)
-    probs = logits.softmax(dim=-1)
+    greedy = None if sampling.all_random else one_hot_argmax(logits)
+    probs = filtered_probs(logits, sampling)
     return probs if greedy is None else torch.where(sampling.greedy_mask.unsqueeze(1), greedy, probs)
 
 
