@@ -56,9 +56,44 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
         return
     # a copy from pinned memory, and no row indices to upload: neither waits for the forward pass still running (the
     # rows of free sequences allow every token, so applying every row changes only the constrained ones)
-    bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    bitmask = staging_buffer().to_device(bitmask, logits.device)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
 
 
 # %% auto #0
-__all__ = ["GrammarState", "allocate_bitmask", "fill_bitmask", "batch_matcher", "apply_bitmask"]
+__all__ = [
+    "GrammarState",
+    "allocate_bitmask",
+    "fill_bitmask",
+    "batch_matcher",
+    "apply_bitmask",
+    "StagingBuffer",
+    "staging_buffer",
+]
+
+
+# %% ../../notebooks/deep_dives/07_structured_outputs.ipynb #34e3cc30
+class StagingBuffer:
+    "Pinned host memory reused for every step's bitmask copy (pinning new memory each step costs more than the step)."
+
+    def __init__(self):
+        self.host: torch.Tensor | None = None
+        self.copied: torch.cuda.Event | None = None
+
+    def to_device(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        "`bitmask` on `device`, copied asynchronously from the pinned buffer."
+        if self.copied is not None:
+            self.copied.synchronize()  # (the last copy has left the buffer: done long ago, its step was collected)
+        rows, words = bitmask.shape
+        if self.host is None or self.host.shape[0] < rows or self.host.shape[1] != words:
+            self.host = torch.empty((rows, words), dtype=bitmask.dtype, pin_memory=True)
+        host = self.host[:rows]
+        host.copy_(bitmask)
+        on_device = host.to(device, non_blocking=True)
+        self.copied = torch.cuda.current_stream(device).record_event()
+        return on_device
+
+
+@functools.cache
+def staging_buffer() -> StagingBuffer:
+    return StagingBuffer()
