@@ -2,13 +2,14 @@
 by the target model give greedy outputs token-identical to the same engine without speculation, on batches of mixed
 prompt lengths, with max_tokens, stop tokens, eos and stop strings inside an accepted run, under preemption, with
 prefix caching, chunked prefill and asynchronous scheduling; seeded sampling is reproducible; what the engine cannot
-speculate for yet is refused by name."""
+speculate for yet is refused by name; structured outputs check every guess."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import re
 import time
 
 import pytest
@@ -171,11 +172,37 @@ def test_logits_processors_see_the_earlier_guesses_of_their_step():
     assert completions(first) == completions(again)
 
 
-def test_structured_outputs_are_refused():
-    llm = LLM(TINY_MODEL_PATH, device="cpu", speculative_config=SPEC)
-    with pytest.raises(ValueError, match="structured_outputs is not supported with speculative_config"):
-        llm.generate("hello", SamplingParams(structured_outputs=StructuredOutputsParams(regex="[ab]+")), use_tqdm=False)
-    assert not llm.llm_engine.has_unfinished_requests()
+CONSTRAINED = {
+    "regex": (StructuredOutputsParams(regex="(ab ){8}c"), lambda t: re.fullmatch("(ab ){8}c", t)),
+    "choice": (StructuredOutputsParams(choice=["yes", "no"]), lambda t: t in ("yes", "no")),
+    "json": (
+        StructuredOutputsParams(json={"type": "array", "items": {"enum": [1, 2]}, "minItems": 6, "maxItems": 6}),
+        lambda t: len(json.loads(t)) == 6 and set(json.loads(t)) <= {1, 2},
+    ),
+    "code": (StructuredOutputsParams(regex=r"(for i in range\(10\):\n    print\(i\)\n){2}"), bool),
+}
+
+
+def test_structured_outputs_match_the_engine_without_speculation():
+    "Constrained and free requests in one batch: each guess checked against its grammar, every row masked."
+    constrained = [
+        dataclasses.replace(GREEDY, ignore_eos=False, max_tokens=48, structured_outputs=c)
+        for c, _ in CONSTRAINED.values()
+    ]
+    params = constrained + [GREEDY] * 3
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[6], PROMPTS[2], PROMPTS[4], PROMPTS[5]]
+    plain, _ = run(prompts, params, speculative=False)
+    spec, engine = run(prompts, params)
+    assert completions(spec) == completions(plain)
+    assert engine.stats.num_spec_accepted_tokens > 0
+    for out, (_, check) in zip(spec, CONSTRAINED.values()):
+        assert out.outputs[0].finish_reason == "stop" and check(out.outputs[0].text), out.outputs[0].text
+    only, engine = run(prompts[:4], constrained)  # the constrained rows alone also accept guesses
+    assert completions(only) == completions(spec)[:4]
+    assert engine.stats.num_spec_accepted_tokens > 0
+    sampled = [dataclasses.replace(p, temperature=1.0, seed=i) for i, p in enumerate(constrained)]
+    for out, (_, check) in zip(run(prompts[:4], sampled)[0], CONSTRAINED.values()):
+        assert out.outputs[0].finish_reason != "stop" or check(out.outputs[0].text), out.outputs[0].text
 
 
 def test_acceptance_is_exported_under_vllms_metric_names():

@@ -138,3 +138,31 @@ def test_the_mask_forbids_exactly_what_the_grammar_forbids(cache, tokenizer):
     allowed = [tokenizer.decode([t]) for t in torch.nonzero(logits[0] == 0).flatten().tolist()]
     assert sorted(allowed) == ["n", "no", "y"]
     assert not state.accept(tokenizer.encode("maybe")[0])  # a token the mask forbids is refused by the matcher too
+
+
+def test_proposals_are_cut_where_the_grammar_stops_allowing_them(cache, tokenizer):
+    "A speculative proposal keeps its longest allowed prefix; the state is left where it was."
+    state = GrammarState(cache.get(StructuredOutputsParams(regex="(ab)+c")))
+    a, b, c = (tokenizer.encode(s)[0] for s in "abc")
+    assert state.valid_prefix([a, b, a, c, a]) == [a, b, a]
+    assert state.valid_prefix([b, a]) == []
+    assert state.num_accepted == 0 and state.accept(a)  # nothing was kept: the grammar still starts with "a"
+    eos = tokenizer.eos_token_id
+    assert state.valid_prefix([b, c, eos, a]) == [b, c, eos]  # nothing after a stop token
+
+
+def test_masks_ahead_equal_the_masks_after_each_proposal(cache, tokenizer):
+    "Row j of a speculative step's mask is the mask after the first j proposals, filled without moving the state."
+    spec = StructuredOutputsParams(json=SCHEMA)
+    tokens = tokenizer.encode('{"name": "ab", "ok": true, "n": 12')
+    ahead = GrammarState(cache.get(spec))
+    bitmask = allocate_bitmask(len(tokens) + 1, cache.vocab_size)
+    ahead.fill_ahead(bitmask, 0, tokens)
+    one_by_one = GrammarState(cache.get(spec))
+    expected = allocate_bitmask(len(tokens) + 1, cache.vocab_size)
+    for j, token in enumerate(tokens):
+        one_by_one.fill(expected, j)
+        assert one_by_one.accept(token)
+    one_by_one.fill(expected, len(tokens))
+    assert torch.equal(bitmask, expected)
+    assert ahead.num_accepted == 0 and ahead.valid_prefix(tokens) == tokens

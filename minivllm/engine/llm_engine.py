@@ -28,7 +28,7 @@ from ..config import EngineConfig
 from ..engine_args import EngineArgs, takes_engine_arguments
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
-from ..spec_decode.speculator import Speculator, check_request
+from ..spec_decode.speculator import Speculator
 from ..structured_outputs.tracker import GrammarTracker
 from .batch_builder import BatchBuilder
 from .executor import make_executor
@@ -104,8 +104,6 @@ class LLMEngine:
         "Check one request completely, without queueing it (`add_request` takes the result)."
         params = checked_params(self.default_params if params is None else params, name)
         params = fit_to_model(params, self.tokenizer, self.config.hf_config.vocab_size, name)
-        if self.speculator is not None:
-            check_request(params, name)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs, name)  # (deep dive 07: a bad spec fails its call)
         text, ids = prompt_token_ids(
@@ -222,6 +220,7 @@ class LLMEngine:
         try:
             if current is None and self.speculator is not None:
                 self.speculator.propose()  # (nothing in flight: every sequence's tokens are known)
+                self.grammars.check_proposals(self.scheduler.running)
             current = current or self._launch(self.scheduler.schedule())
             if current is None:
                 return []
@@ -239,6 +238,7 @@ class LLMEngine:
                 self.outputs.book_prompt(current.plan, logprobs.prompt)
             plan, sampled = current.plan, logprobs and logprobs.sampled
             if plan.spec_token_ids is not None:  # a list of tokens per sequence (deep dive 10)
+                self.grammars.advance_runs((seq.seq_id for seq in plan.sampled_seqs), token_ids)
                 finished, outputs, done = self.speculator.process(plan, token_ids, sampled, now)
             else:
                 self.grammars.advance((seq.seq_id for seq in plan.sampled_seqs), token_ids)
@@ -272,7 +272,7 @@ class LLMEngine:
                 metrics = self.outputs.by_seq[seq.seq_id].metrics
                 metrics.first_scheduled_time = metrics.first_scheduled_time or now
         step = self.builder.build(plan)
-        step.grammar = self.grammars.masks(step.seq_ids)  # structured outputs: filled by the runner, or None
+        step.grammar = self.grammars.masks(step.seq_ids, step.num_draft_tokens, step.draft_token_ids)  # (or None)
         return InFlightStep(plan, self.executor.launch(step))
 
     # %% ../../notebooks/10_llm_engine.ipynb #0fad759d

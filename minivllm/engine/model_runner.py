@@ -123,6 +123,7 @@ class ModelRunner:
         if logits is None:  # prompt chunks only
             handle = StepHandle()
         elif step.num_draft_tokens is not None:  # speculative decoding: verify the proposals (deep dive 10)
+            self._apply_grammar(logits, step)
             handle = StepHandle(
                 emitted=verify(logits, step, *self.sampling.batch(step.seq_ids), self.sampling.generator)
             )
@@ -138,11 +139,7 @@ class ModelRunner:
         """Sample each row and queue the tokens' copy to the host (and their log-probabilities', when asked);
         `greedy_ids`: each row's argmax from a graph's replay, the tokens themselves if every row is greedy as it is."""
         sampling, generators = self.sampling.batch(step.seq_ids)
-        mask = step.grammar() if step.grammar is not None else None  # (filled now: the forward pass is queued)
-        if mask is not None:  # structured outputs: forbidden tokens to -inf before anything samples
-            from minivllm.structured_outputs.state import apply_bitmask  # (xgrammar, imported when first needed)
-
-            apply_bitmask(logits, torch.from_numpy(mask[0]), mask[1])
+        if self._apply_grammar(logits, step):
             greedy_ids = None  # (the graph's argmax saw the logits before the mask)
         if greedy_ids is not None and sampling.all_greedy and sampling.processors is None:
             self.last_sampled = greedy_ids  # (overwritten by the next replay, queued after every reader of this one)
@@ -153,6 +150,16 @@ class ModelRunner:
             logprobs = gather_logprobs(logits, self.last_sampled, sampling.max_num_logprobs).to_host()
         host_ids = self.last_sampled.to("cpu", non_blocking=True)  # queued behind the sampler, into pinned memory
         return StepHandle(self.last_sampled, logprobs, sampling, host_ids)
+
+    def _apply_grammar(self, logits: torch.Tensor, step: StepInputs) -> bool:
+        "Structured outputs: each constrained row's forbidden tokens to -inf, before anything samples; False if none."
+        mask = step.grammar() if step.grammar is not None else None  # (filled now: the forward pass is queued)
+        if mask is None:
+            return False
+        from minivllm.structured_outputs.state import apply_bitmask  # (xgrammar, imported when first needed)
+
+        apply_bitmask(logits, torch.from_numpy(mask[0]), mask[1])
+        return True
 
     # %% ../../notebooks/09_model_runner.ipynb #2ab327b1
     @torch.inference_mode()

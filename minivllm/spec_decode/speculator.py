@@ -9,19 +9,11 @@ from ..engine.output_processor import OutputProcessor, Request
 from ..engine.scheduler import Scheduler, StepPlan, check_stop
 from ..engine.sequence import Sequence
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
 from .config import SpeculativeConfig
 from .ngram import NgramProposer
 
-
-def check_request(params: SamplingParams, name: str) -> None:
-    "A request the speculating engine cannot serve yet: a ValueError that names what it asked for."
-    if params.structured_outputs is not None:
-        raise ValueError(f"{name}: structured_outputs is not supported with speculative_config yet")
-
-
 # %% auto #0
-__all__ = ["check_request", "Speculator"]
+__all__ = ["Speculator"]
 
 
 # %% ../../notebooks/deep_dives/10_speculative_decoding.ipynb #5f570f0d

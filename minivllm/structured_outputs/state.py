@@ -31,6 +31,26 @@ class GrammarState:
         "The grammar is complete and a stop token was accepted."
         return self.matcher.is_terminated()
 
+    # %% ../../notebooks/deep_dives/07_structured_outputs.ipynb #3fa84351
+    def valid_prefix(self, tokens: list[int]) -> list[int]:
+        "The longest prefix of `tokens` (a speculative proposal) the grammar allows from here; the state is unchanged."
+        n = 0
+        while n < len(tokens) and not self.finished and self.matcher.accept_token(tokens[n]):
+            n += 1
+        self.matcher.rollback(n)
+        return tokens[:n]
+
+    def fill_ahead(self, bitmask: torch.Tensor, row: int, tokens: list[int]) -> None:
+        """Rows `row`, `row` + 1, ...: the masks after 0, 1, ... of `tokens` (the proposals a speculative step verifies,
+        valid: `valid_prefix`); the state is unchanged. Rows past a stop token stay free (nothing after it is kept)."""
+        n = 0
+        while True:
+            self.fill(bitmask, row + n)
+            if n == len(tokens) or not self.matcher.accept_token(tokens[n]) or self.finished:
+                break
+            n += 1
+        self.matcher.rollback(n + self.finished)
+
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     "A host bitmask for `rows` sequences: 32 tokens per int32 word, every token allowed."

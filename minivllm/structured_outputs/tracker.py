@@ -47,18 +47,6 @@ class GrammarTracker:
     def constrains(self, seq_ids: Iterable[int]) -> bool:
         return bool(self.states) and any(i in self.states for i in seq_ids)
 
-    def fill(self, seq_ids: np.ndarray) -> tuple[np.ndarray, list[int]] | None:
-        "The next token's mask of each constrained row of a step's sampled rows (`seq_ids`), and those rows."
-        states = [self.states.get(i) for i in seq_ids.tolist()] if self.states else []
-        rows = [row for row, state in enumerate(states) if state is not None]
-        if not rows:
-            return None
-        from minivllm.structured_outputs.state import allocate_bitmask, fill_bitmask
-
-        bitmask = allocate_bitmask(len(states), self.vocab_size)  # (every row allows every token until filled)
-        fill_bitmask([states[row] for row in rows], bitmask, rows)
-        return bitmask.numpy(), rows
-
     def advance(self, seq_ids: Iterable[int], token_ids: list[int]) -> None:
         "Each constrained sequence's state accepts the token it sampled."
         for seq_id, token in zip(seq_ids, token_ids, strict=True):
@@ -66,16 +54,61 @@ class GrammarTracker:
             if state is not None and not state.finished and not state.accept(token):
                 raise RuntimeError(f"sequence {seq_id} sampled token {token}, which its grammar does not allow")
 
+    # %% ../../notebooks/deep_dives/07_structured_outputs.ipynb #1e8bdbcc
+    def fill(
+        self,
+        seq_ids: np.ndarray,
+        num_draft_tokens: list[int] | None = None,
+        draft_token_ids: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, list[int]] | None:
+        """The next token's mask of each constrained row of a step's sampled rows (`seq_ids`), and those rows. A
+        speculative step (deep dive 10) has k + 1 rows per sequence: row j's mask follows the first j proposals."""
+        states = [self.states.get(i) for i in seq_ids.tolist()] if self.states else []
+        rows = [row for row, state in enumerate(states) if state is not None]
+        if not rows:
+            return None
+        from minivllm.structured_outputs.state import allocate_bitmask, fill_bitmask
+
+        bitmask = allocate_bitmask(len(states), self.vocab_size)  # (every row allows every token until filled)
+        if num_draft_tokens is None:
+            fill_bitmask([states[row] for row in rows], bitmask, rows)
+            return bitmask.numpy(), rows
+        row, first = 0, 0  # a sequence's first row and its first proposal
+        for k in num_draft_tokens:
+            if states[row] is not None:
+                states[row].fill_ahead(bitmask, row, draft_token_ids[first : first + k].tolist())
+            row, first = row + k + 1, first + k
+        return bitmask.numpy(), rows
+
     # %% ../../notebooks/deep_dives/07_structured_outputs.ipynb #38d27305
-    def masks(self, seq_ids: np.ndarray) -> Callable[[], tuple[np.ndarray, list[int]] | None] | None:
-        """A step's masks (`seq_ids`: its sampled rows) as a function the runner calls once the forward pass is
-        queued, so the host fills them while the device computes; None if no row is constrained."""
+    def masks(
+        self,
+        seq_ids: np.ndarray,
+        num_draft_tokens: list[int] | None = None,
+        draft_token_ids: np.ndarray | None = None,
+    ) -> Callable[[], tuple[np.ndarray, list[int]] | None] | None:
+        """A step's masks (`seq_ids`: its sampled rows; the proposals of a speculative step) as a function the runner
+        calls once the forward pass is queued, so the host fills them while the device computes; None if no row is
+        constrained."""
         if not self.constrains(seq_ids.tolist()):
             return None
+        fill = partial(self.fill, seq_ids, num_draft_tokens, draft_token_ids)
         if not self.overlap:  # (the plain way, filled before the launch: tools/structured_bench.py measures both)
-            filled = self.fill(seq_ids)
+            filled = fill()
             return lambda: filled
-        return partial(self.fill, seq_ids)
+        return fill
+
+    def advance_runs(self, seq_ids: Iterable[int], runs: list[list[int]]) -> None:
+        "A speculative step's tokens (deep dive 10): each sequence's run, accepted in order."
+        for seq_id, tokens in zip(seq_ids, runs, strict=True):
+            self.advance([seq_id] * len(tokens), tokens)
+
+    def check_proposals(self, seqs: Iterable) -> None:
+        "Cut each constrained sequence's proposals (`spec_token_ids`, deep dive 10) to what its grammar allows."
+        for seq in seqs:
+            state = self.states.get(seq.seq_id)
+            if state is not None and seq.spec_token_ids:
+                seq.spec_token_ids = state.valid_prefix(seq.spec_token_ids)
 
 
 # %% auto #0
