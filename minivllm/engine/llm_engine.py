@@ -253,7 +253,9 @@ class LLMEngine:
             self._release(req)
         if done:
             self._drop_stale_step()
-        self._count(current.plan, finished, start, now - waiting)
+        self._count(
+            current.plan, finished, start, now - waiting, token_ids if plan.spec_token_ids is not None else None
+        )
         return outputs
 
     def _drop_stale_step(self) -> None:
@@ -276,7 +278,14 @@ class LLMEngine:
         return InFlightStep(plan, self.executor.launch(step))
 
     # %% ../../notebooks/10_llm_engine.ipynb #0fad759d
-    def _count(self, plan: StepPlan, finished: list[Sequence], start: float, wait: float) -> None:
+    def _count(
+        self,
+        plan: StepPlan,
+        finished: list[Sequence],
+        start: float,
+        wait: float,
+        emitted: list[list[int]] | None = None,
+    ) -> None:
         stats, end = self.stats, time.perf_counter()
         stats.num_steps += 1
         stats.num_prompt_tokens += plan.num_prefill_tokens
@@ -288,7 +297,14 @@ class LLMEngine:
         if self.trace is not None:
             self.trace.append(
                 StepRecord.from_step(
-                    len(self.trace), plan, finished, self.scheduler, start - self._trace_start, end - start, wait
+                    len(self.trace),
+                    plan,
+                    finished,
+                    self.scheduler,
+                    start - self._trace_start,
+                    end - start,
+                    wait,
+                    None if emitted is None else [len(tokens) for tokens in emitted],
                 )
             )
 

@@ -31,6 +31,7 @@ class StepRecord:
     start: float | None = None
     duration: float | None = None
     wait: float | None = None  # of the duration, seconds the host waited for the device's result
+    num_emitted: list[int] | None = None  # per sequence, the tokens it got when a step gives several (deep dive 10)
 
     @classmethod
     def from_step(
@@ -42,8 +43,11 @@ class StepRecord:
         start: float | None = None,
         duration: float | None = None,
         wait: float | None = None,
+        emitted: list[int] | None = None,
     ) -> StepRecord:
-        "Record a step after `scheduler.postprocess(plan, ...)` returned `finished` (the plan's lists are not copied)."
+        """Record a step after `scheduler.postprocess(plan, ...)` returned `finished` (the plan's lists are not copied);
+        `emitted`: how many tokens each sampled sequence got, if not one each (a speculative step)."""
+        runs = iter(emitted or ())
         return cls(
             step,
             [s.seq_id for s in plan.seqs],
@@ -58,6 +62,7 @@ class StepRecord:
             start,
             duration,
             wait,
+            None if emitted is None else [next(runs) if sampled else 0 for sampled in plan.is_sampled],
         )
 
     @property
@@ -83,7 +88,8 @@ def token_times(records: SequenceLike[StepRecord], use_time: bool = False) -> di
     times: dict[int, list[float]] = {}
     for r in records:
         end = r.span(use_time)[1]
-        for sid, sampled in zip(r.seq_ids, r.sampled):
-            if sampled:
-                times.setdefault(sid, []).append(end)
+        counts = r.num_emitted if r.num_emitted is not None else [int(sampled) for sampled in r.sampled]
+        for sid, count in zip(r.seq_ids, counts):
+            if count:
+                times.setdefault(sid, []).extend([end] * count)
     return times
