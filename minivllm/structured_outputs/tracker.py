@@ -61,6 +61,8 @@ class GrammarTracker:
 
     def advance(self, seq_ids: Iterable[int], token_ids: list[int]) -> None:
         "Each constrained sequence's state accepts the token it sampled."
+        if not self.states:  # (no constrained sequence: no walk over the batch)
+            return
         for seq_id, token in zip(seq_ids, token_ids, strict=True):
             state = self.states.get(seq_id)
             if state is not None and not state.finished and not state.accept(token):
