@@ -72,7 +72,7 @@ class GrammarTracker:
     def masks(self, seq_ids: np.ndarray) -> Callable[[], tuple[np.ndarray, list[int]] | None] | None:
         """A step's masks (`seq_ids`: its sampled rows) as a function the runner calls once the forward pass is
         queued, so the host fills them while the device computes; None if no row is constrained."""
-        if not self.constrains(seq_ids.tolist()):
+        if not self.states or not self.constrains(seq_ids.tolist()):
             return None
         if not self.overlap:  # (the plain way, filled before the launch: tools/structured_bench.py measures both)
             filled = self.fill(seq_ids)
