@@ -3,6 +3,8 @@
 # %% ../../notebooks/09_model_runner.ipynb #7f87cd83
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..kernels.cascade_plan import cascade_prefix_len
@@ -41,11 +43,13 @@ def seq_ids(seqs: list[Sequence]) -> np.ndarray:
 # %% auto #0
 __all__ = [
     "NO_PREFIX",
+    "NO_BATCH",
     "block_table_array",
     "cumsum0",
     "prompt_logprob_positions",
     "seq_ids",
     "prepare_step",
+    "Batch",
     "BlockTables",
     "prepare_decode",
     "BatchBuilder",
@@ -94,6 +98,17 @@ def prepare_step(plan: StepPlan, block_size: int) -> StepInputs:
 
 
 # %% ../../notebooks/09_model_runner.ipynb #d82bbba8
+class Batch(NamedTuple):
+    "A decode batch's sequences, their rows of the table and their seq ids."
+
+    seqs: list[Sequence]
+    rows: np.ndarray
+    ids: np.ndarray
+
+
+NO_BATCH = Batch([], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+
 class BlockTables:
     "Each running sequence's block table as a row of one numpy array, updated only where it grew."
 
@@ -101,17 +116,24 @@ class BlockTables:
         self.table = np.full((num_rows, max_blocks), -1, dtype=np.int32)
         self.free_rows = list(range(num_rows - 1, -1, -1))
         self.rows: dict[int, tuple[int, int, int]] = {}  # seq_id -> (row, entries written, preemptions)
+        self.last = NO_BATCH  # the rows and ids of the last batch, reused while it stays the same
 
     def array(self, seqs: list[Sequence]) -> np.ndarray:
-        rows, width, get = [], 1, self.rows.get
+        width, get = 1, self.rows.get
         for seq in seqs:
             row, n = get(seq.seq_id), len(seq.block_table)
             if row is None or row[1] != n or row[2] != seq.num_preemptions:
-                row = self._update(seq)
-            rows.append(row[0])
+                self._update(seq)
             if n > width:
                 width = n
-        return self.table[np.array(rows), :width]
+        return self.table[self.batch(seqs).rows, :width]
+
+    def batch(self, seqs: list[Sequence]) -> Batch:
+        "The rows and seq ids of `seqs` (after `array`): the last batch's again while its sequences are the same."
+        if seqs != self.last.seqs:  # (compared one by one, by identity: a Sequence has no __eq__)
+            rows = np.array([self.rows[seq.seq_id][0] for seq in seqs], dtype=np.int64)
+            self.last = Batch(list(seqs), rows, seq_ids(seqs))
+        return self.last
 
     def _update(self, seq: Sequence) -> tuple[int, int, int]:
         "Write the new entries of the sequence's row (all of it for a new row, or after a preemption freed its blocks)."
@@ -133,6 +155,7 @@ class BlockTables:
         entry = self.rows.pop(seq_id, None)
         if entry is not None:
             self.free_rows.append(entry[0])
+            self.last = NO_BATCH  # (its row may go to another sequence)
 
 
 # %% ../../notebooks/09_model_runner.ipynb #6603c433
@@ -155,7 +178,7 @@ def prepare_decode(
         positions=positions,
         slot_mapping=blocks * block_size + positions % block_size,
         logits_indices=np.arange(n, dtype=np.int64),
-        seq_ids=seq_ids(seqs),
+        seq_ids=tables.batch(seqs).ids,
         cu_seqlens_q=np.arange(n + 1, dtype=np.int32),
         cu_seqlens_k=cumsum0(context_lens),
         context_lens=context_lens,

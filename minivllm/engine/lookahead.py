@@ -17,20 +17,19 @@ def plan_lookahead(scheduler: Scheduler, plan: StepPlan) -> StepPlan | None:
         or (scheduler.waiting and running < scheduler.max_num_seqs)
     ):
         return None
-    bs, limit, keep, rows, grow = scheduler.block_size, scheduler.max_model_len - 1, [], [], []
+    bs, limit, ends, grow = scheduler.block_size, scheduler.max_model_len - 1, set(), []
     for row, seq in enumerate(plan.seqs):
         n = len(seq.token_ids)
         if n >= limit or n + 1 >= seq.max_num_tokens:
-            continue  # `plan` finishes it by length
-        if n // bs >= len(seq.block_table):  # its next token starts a new block
+            ends.add(row)  # `plan` finishes it by length
+        elif n // bs >= len(seq.block_table):  # its next token starts a new block
             grow.append(seq)
-        keep.append(seq)
-        rows.append(row)
-    if not keep or len(grow) > scheduler.block_manager.num_free_blocks:
+    rows = [row for row in range(len(plan.seqs)) if row not in ends] if ends else list(range(len(plan.seqs)))
+    if not rows or len(grow) > scheduler.block_manager.num_free_blocks:
         return None
     for seq in grow:
         scheduler.block_manager.reserve(seq, len(seq.token_ids) + 1)
-    return StepPlan.decode(keep, ahead_rows=rows)
+    return StepPlan.decode([plan.seqs[row] for row in rows] if ends else list(plan.seqs), ahead_rows=rows)
 
 
 # %% auto #0

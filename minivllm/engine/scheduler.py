@@ -241,9 +241,11 @@ class Scheduler:
     # %% ../../notebooks/03_scheduler.ipynb #fd4e3a02
     def postprocess(self, plan: StepPlan, token_ids: list[int]) -> list[Sequence]:
         "After the step: advance the sequences, commit full blocks, append the sampled tokens; return the finished."
-        finished, sampled, bs, eos, limit = [], iter(token_ids), self.block_size, self.eos_token_ids, self.max_model_len
-        for seq, n, sample in zip(plan.seqs, plan.num_new_tokens, plan.is_sampled):
-            token_id = next(sampled) if sample else None
+        finished, bs, eos, limit = [], self.block_size, self.eos_token_ids, self.max_model_len
+        if len(token_ids) < len(plan.seqs):  # some sequences sample nothing (prompt chunks): None for them
+            sampled = iter(token_ids)
+            token_ids = [next(sampled) if sample else None for sample in plan.is_sampled]
+        for seq, n, token_id in zip(plan.seqs, plan.num_new_tokens, token_ids):
             if seq.status is SequenceStatus.FINISHED:  # aborted while the step ran: left as it is
                 continue
             before = seq.num_computed_tokens

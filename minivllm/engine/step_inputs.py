@@ -147,7 +147,7 @@ class StepInputs:
         "Copy every array into the front of its view (views of a larger layout leave their tails as they are)."
         for name, _, _ in STEP_FIELDS:
             array = getattr(self, name)
-            views[name][tuple(slice(0, n) for n in array.shape)] = array
+            views[name][tuple(map(slice, array.shape))] = array
 
     def pack(self) -> np.ndarray:
         buffer = np.empty(step_nbytes(self.sizes), dtype=np.uint8)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -94,7 +95,7 @@ class SamplingTensors:
     all_random: bool
     processors: LogitsProcessors | None = None  # penalties, logit_bias, ... of the rows that use them
 
-    @property
+    @cached_property  # (the registry reuses a batch's tensors for many steps: one pass over the rows)
     def max_num_logprobs(self) -> int | None:
         "The most log-probabilities any row asked for; None when no row asked (the common case)."
         return max((n for n in self.num_logprobs if n is not None), default=None)

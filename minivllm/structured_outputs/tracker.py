@@ -49,6 +49,8 @@ class GrammarTracker:
 
     def advance(self, seq_ids: Iterable[int], token_ids: list[int]) -> None:
         "Each constrained sequence's state accepts the token it sampled."
+        if not self.states:  # (no constrained sequence: no walk over the batch)
+            return
         for seq_id, token in zip(seq_ids, token_ids, strict=True):
             state = self.states.get(seq_id)
             if state is not None and not state.finished and not state.accept(token):
@@ -90,7 +92,7 @@ class GrammarTracker:
         """A step's masks (`seq_ids`: its sampled rows; the proposals of a speculative step) as a function the runner
         calls once the forward pass is queued, so the host fills them while the device computes; None if no row is
         constrained."""
-        if not self.constrains(seq_ids.tolist()):
+        if not self.states or not self.constrains(seq_ids.tolist()):
             return None
         fill = partial(self.fill, seq_ids, num_draft_tokens, draft_token_ids)
         if not self.overlap:  # (the plain way, filled before the launch: tools/structured_bench.py measures both)
