@@ -84,13 +84,12 @@ class LLMEngine:
             )
             self.builder = BatchBuilder(c.block_size, c.max_model_len, c.max_num_seqs, c.cascade)
             self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+            self.stats = EngineStats()
+            self.speculator = Speculator.of(c, self.scheduler, self.outputs, self.stats)  # (deep dive 10), or None
         except BaseException:
             self.executor.close()
             raise
         self.default_params = default_sampling_params(c)
-        self.stats = EngineStats()
-        spec = c.speculative_config  # speculative decoding (deep dive 10), or None
-        self.speculator = None if spec is None else Speculator(spec, self.scheduler, self.outputs, self.stats)
         self.in_flight: InFlightStep | None = None  # a step launched ahead (asynchronous scheduling)
         self.trace: list[StepRecord] | None = None  # a record of every step, from `start_trace()` on
         self.grammars = GrammarTracker(self.tokenizer, c.hf_config.vocab_size, c.eos_token_ids, c.tensor_parallel_size)
@@ -207,6 +206,8 @@ class LLMEngine:
         self.executor.free_request(req.seq.seq_id)
         self.builder.free(req.seq.seq_id)
         self.grammars.free(req.seq.seq_id)
+        if self.speculator is not None:
+            self.speculator.free(req.seq.seq_id)
 
     def close(self) -> None:
         "Abort every request and release the model and the KV cache; the engine cannot run after this."
@@ -273,6 +274,7 @@ class LLMEngine:
                 metrics.first_scheduled_time = metrics.first_scheduled_time or now
         step = self.builder.build(plan)
         step.grammar = self.grammars.masks(step.seq_ids)  # structured outputs: filled by the runner, or None
+        step.draft_probs = None if self.speculator is None else self.speculator.draft_probs(plan)  # (deep dive 10)
         return InFlightStep(plan, self.executor.launch(step))
 
     # %% ../../notebooks/10_llm_engine.ipynb #0fad759d
