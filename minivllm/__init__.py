@@ -9,7 +9,7 @@ from .entrypoints.async_llm import AsyncLLM  # (notebook 11)
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
-from .tiny_model import TINY_MODEL_PATH
+from .tiny_model import TINY_DRAFT_PATH, TINY_MODEL_PATH
 
 __all__ = [
     "LLM",
@@ -21,5 +21,6 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
     "TINY_MODEL_PATH",
+    "TINY_DRAFT_PATH",
 ]
 __version__ = "0.1.0"

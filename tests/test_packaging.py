@@ -117,6 +117,7 @@ def test_star_import_gives_the_public_api():
         "RequestOutput",
         "CompletionOutput",
         "TINY_MODEL_PATH",
+        "TINY_DRAFT_PATH",
     } <= set(namespace)
 
 
@@ -150,6 +151,7 @@ def test_the_wheel_holds_what_an_install_needs(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     info = f"minivllm-{minivllm.__version__}.dist-info"
     assert {"minivllm/py.typed", f"{info}/licenses/LICENSE", "minivllm/data/tiny-qwen3/config.json"} <= set(names)
+    assert "minivllm/data/tiny-qwen3-draft/model.safetensors" in names
     meta = zipfile.ZipFile(wheel).read(f"{info}/METADATA").decode()
     assert "License-Expression: Apache-2.0" in meta and f"Version: {minivllm.__version__}" in meta
     assert "minivllm = minivllm.__main__:main" in zipfile.ZipFile(wheel).read(f"{info}/entry_points.txt").decode()

@@ -1,8 +1,9 @@
-"""Speculative decoding in the engine (notebooks/deep_dives/10_speculative_decoding.ipynb): n-gram proposals verified
-by the target model give greedy outputs token-identical to the same engine without speculation, on batches of mixed
-prompt lengths, with max_tokens, stop tokens, eos and stop strings inside an accepted run, under preemption, with
-prefix caching, chunked prefill and asynchronous scheduling; seeded sampling is reproducible; what the engine cannot
-speculate for yet is refused by name; structured outputs check every guess."""
+"""Speculative decoding in the engine (notebooks/deep_dives/10_speculative_decoding.ipynb): n-gram proposals and a
+draft model's, verified by the target model, give greedy outputs token-identical to the same engine without
+speculation, on batches of mixed prompt lengths, with max_tokens, stop tokens, eos and stop strings inside an accepted
+run, under preemption, with prefix caching, chunked prefill and asynchronous scheduling; seeded sampling is
+reproducible; the draft's kept cache proposes what a fresh draft would; what the engine cannot speculate for yet is
+refused by name; structured outputs check every guess."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import asyncio
 import dataclasses
 import json
 import re
+import shutil
 import time
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
+from minivllm import LLM, TINY_DRAFT_PATH, TINY_MODEL_PATH, SamplingParams
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.async_llm import AsyncLLM
 from minivllm.entrypoints.cli import engine_kwargs, parse_serve_args
@@ -35,8 +37,8 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
-def run(prompts, params, speculative: bool = True, **kwargs) -> tuple[list, LLMEngine]:
-    llm = LLM(TINY_MODEL_PATH, device="cpu", speculative_config=SPEC if speculative else None, **kwargs)
+def run(prompts, params, speculative: bool = True, spec: dict = SPEC, **kwargs) -> tuple[list, LLMEngine]:
+    llm = LLM(TINY_MODEL_PATH, device="cpu", speculative_config=spec if speculative else None, **kwargs)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.llm_engine
     engine.scheduler.check_invariants()
@@ -137,7 +139,14 @@ def test_logprobs_and_n_greater_than_one():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(speculative_config={"model": "drafts/x", "num_speculative_tokens": 2}), "'draft_model' is not supported"),
+        (
+            dict(speculative_config={"model": "drafts/x", "num_speculative_tokens": 2}),
+            "'drafts/x' is not a model folder",
+        ),
+        (
+            dict(speculative_config={"model": TINY_DRAFT_PATH, "num_speculative_tokens": 2}, tensor_parallel_size=2),
+            "tensor",
+        ),
         (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, tensor_parallel_size=2), "tensor"),
         (dict(speculative_config={"method": "ngram"}), "num_speculative_tokens must be an integer"),
     ],
@@ -239,3 +248,60 @@ def test_serve_takes_vllms_speculative_config_flag(capsys):
         with pytest.raises(SystemExit):
             parse_serve_args([TINY_MODEL_PATH, "--speculative-config", bad])
         assert "--speculative-config" in capsys.readouterr().err
+
+
+DRAFT = {"method": "draft_model", "model": TINY_DRAFT_PATH, "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("name", ["default (async scheduling, prefix caching)", "preemption"])
+def test_draft_model_greedy_outputs_match_the_engine_without_speculation(name):
+    kwargs = SETTINGS[name]
+    plain, _ = run(PROMPTS, GREEDY, speculative=False, **kwargs)
+    spec, engine = run(PROMPTS, GREEDY, spec=DRAFT, **kwargs)
+    assert completions(spec) == completions(plain)
+    stats, proposer = engine.stats, engine.speculator.proposer
+    assert stats.num_spec_accepted_tokens > 0 and stats.num_spec_draft_tokens >= stats.num_spec_accepted_tokens
+    assert stats.num_generated_tokens == sum(len(c[0]) for c in completions(spec))
+    if name == "preemption":
+        assert engine.scheduler.num_preemptions > 0
+    assert not proposer.states and len(proposer.free_blocks) == engine.scheduler.block_manager.num_blocks
+
+
+def test_the_drafts_kept_cache_proposes_what_a_fresh_draft_would():
+    "The draft's guesses are its own greedy tokens, also after a verify step rolled its cache back."
+    from minivllm.engine.sequence import Sequence
+    from minivllm.engine_args import EngineArgs
+    from minivllm.spec_decode.config import SpeculativeConfig
+    from minivllm.spec_decode.draft import DraftModelProposer
+
+    own = LLM(TINY_DRAFT_PATH, device="cpu")
+    prompt = own.get_tokenizer().encode(PROMPTS[2])
+    [out] = own.generate({"prompt_token_ids": prompt}, dataclasses.replace(GREEDY, max_tokens=8), use_tqdm=False)
+    engine = EngineArgs(TINY_MODEL_PATH, device="cpu", block_size=4).resolve()
+    proposer = DraftModelProposer(SpeculativeConfig.from_dict(DRAFT), engine, num_blocks=32)
+    assert proposer.propose([prompt]) == [list(out.outputs[0].token_ids[:3])] and len(proposer.free_blocks) == 32
+    seq = Sequence(list(prompt), GREEDY, 4, seq_id=0)
+    [guesses] = proposer.propose([seq.token_ids], [3], [seq])
+    seq.token_ids += guesses[:1] + [5]  # one guess accepted, then a token of the target's that the draft never saw
+    [again] = proposer.propose([seq.token_ids], [3], [seq])
+    assert again == proposer.propose([list(seq.token_ids)])[0]
+    assert proposer.states[0].tokens == seq.token_ids + again[:2]
+    proposer.keep_only([])
+    assert not proposer.states and len(proposer.free_blocks) == 32
+
+
+def test_draft_model_seeded_sampling_is_reproducible():
+    sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True)
+    params = [dataclasses.replace(sampled, seed=i) for i in range(4)]
+    first, engine = run(PROMPTS[:4], params, spec=DRAFT, seed=3)
+    again, _ = run(PROMPTS[:4], params, spec=DRAFT, seed=4)  # seeded requests: the engine's seed does not matter
+    assert completions(first) == completions(again)
+    assert engine.stats.num_spec_accepted_tokens > 0
+
+
+def test_a_draft_of_another_vocabulary_is_refused(tmp_path):
+    folder = shutil.copytree(TINY_DRAFT_PATH, tmp_path / "draft")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 4000}))
+    with pytest.raises(ValueError, match="vocabulary of 4000 tokens, the target 4096"):
+        LLM(TINY_MODEL_PATH, device="cpu", speculative_config={**DRAFT, "model": str(folder)})

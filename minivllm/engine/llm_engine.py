@@ -84,13 +84,12 @@ class LLMEngine:
             )
             self.builder = BatchBuilder(c.block_size, c.max_model_len, c.max_num_seqs, c.cascade)
             self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+            self.stats = EngineStats()
+            self.speculator = Speculator.of(c, self.scheduler, self.outputs, self.stats)  # (deep dive 10), or None
         except BaseException:
             self.executor.close()
             raise
         self.default_params = default_sampling_params(c)
-        self.stats = EngineStats()
-        spec = c.speculative_config  # speculative decoding (deep dive 10), or None
-        self.speculator = None if spec is None else Speculator(spec, self.scheduler, self.outputs, self.stats)
         self.in_flight: InFlightStep | None = None  # a step launched ahead (asynchronous scheduling)
         self.trace: list[StepRecord] | None = None  # a record of every step, from `start_trace()` on
         self.grammars = GrammarTracker(self.tokenizer, c.hf_config.vocab_size, c.eos_token_ids, c.tensor_parallel_size)
@@ -205,6 +204,8 @@ class LLMEngine:
         self.executor.free_request(req.seq.seq_id)
         self.builder.free(req.seq.seq_id)
         self.grammars.free(req.seq.seq_id)
+        if self.speculator is not None:
+            self.speculator.free(req.seq.seq_id)
 
     def close(self) -> None:
         "Abort every request and release the model and the KV cache; the engine cannot run after this."
@@ -228,8 +229,7 @@ class LLMEngine:
                 self.speculator is None or self.speculator.may_plan_ahead(current.plan)
             )
             if ahead and not self.grammars.constrains(s.seq_id for s in current.plan.seqs):
-                # the next decode step goes to the device before this one is collected (not when a grammar needs the
-                # tokens of this step for its next mask)
+                # the next decode step goes to the device before this one is collected (unless a grammar needs its tokens)
                 self.in_flight = self._launch(plan_lookahead(self.scheduler, current.plan))
             waiting = time.perf_counter()
             token_ids, logprobs = self.executor.collect(current.handle)
@@ -253,9 +253,7 @@ class LLMEngine:
             self._release(req)
         if done:
             self._drop_stale_step()
-        self._count(
-            current.plan, finished, start, now - waiting, token_ids if plan.spec_token_ids is not None else None
-        )
+        self._count(current.plan, finished, start, now - waiting, token_ids)
         return outputs
 
     def _drop_stale_step(self) -> None:
@@ -275,6 +273,7 @@ class LLMEngine:
                 metrics.first_scheduled_time = metrics.first_scheduled_time or now
         step = self.builder.build(plan)
         step.grammar = self.grammars.masks(step.seq_ids, step.num_draft_tokens, step.draft_token_ids)  # (or None)
+        step.draft_probs = None if self.speculator is None else self.speculator.draft_probs(plan)  # (deep dive 10)
         return InFlightStep(plan, self.executor.launch(step))
 
     # %% ../../notebooks/10_llm_engine.ipynb #0fad759d
@@ -284,29 +283,15 @@ class LLMEngine:
         finished: list[Sequence],
         start: float,
         wait: float,
-        emitted: list[list[int]] | None = None,
+        token_ids: list,
     ) -> None:
-        stats, end = self.stats, time.perf_counter()
-        stats.num_steps += 1
-        stats.num_prompt_tokens += plan.num_prefill_tokens
-        stats.num_generated_tokens += len(plan.sampled_seqs)
-        if plan.num_prefill_tokens:
-            stats.prefill_time += end - start
-        else:
-            stats.decode_time += end - start
+        end, emitted = time.perf_counter(), token_ids if plan.spec_token_ids is not None else None
+        self.stats.count_step(plan, end - start)
         if self.trace is not None:
-            self.trace.append(
-                StepRecord.from_step(
-                    len(self.trace),
-                    plan,
-                    finished,
-                    self.scheduler,
-                    start - self._trace_start,
-                    end - start,
-                    wait,
-                    None if emitted is None else [len(tokens) for tokens in emitted],
-                )
+            record = StepRecord.from_step(
+                len(self.trace), plan, finished, self.scheduler, start - self._trace_start, end - start, wait, emitted
             )
+            self.trace.append(record)
 
     def start_trace(self) -> list[StepRecord]:
         "Record every step from now on (`engine.trace`, times in seconds from now); returns the list it fills."

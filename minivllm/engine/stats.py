@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .scheduler import StepPlan
+
 
 @dataclass
 class EngineStats:
@@ -19,6 +21,16 @@ class EngineStats:
     num_spec_drafts: int = 0  # speculative decoding (deep dive 10): sequence steps that verified proposals,
     num_spec_draft_tokens: int = 0  # the proposals they verified,
     num_spec_accepted_tokens: int = 0  # and those accepted
+
+    def count_step(self, plan: StepPlan, seconds: float) -> None:
+        "A step's counts: its prompt tokens, a token per sampled sequence (the Speculator counts the rest), its time."
+        self.num_steps += 1
+        self.num_prompt_tokens += plan.num_prefill_tokens
+        self.num_generated_tokens += len(plan.sampled_seqs)
+        if plan.num_prefill_tokens:
+            self.prefill_time += seconds
+        else:
+            self.decode_time += seconds
 
 
 # %% auto #0

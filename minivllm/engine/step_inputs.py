@@ -128,6 +128,8 @@ class StepInputs:
     # once the forward pass is queued, so the host fills while the device computes
     num_draft_tokens: list[int] | None = None  # speculative decoding (deep dive 10): per sampled sequence, how many
     draft_token_ids: np.ndarray | None = None  # proposals it verifies (k + 1 rows of `logits_indices`), all flat
+    draft_probs: torch.Tensor | None = None  # a draft model's q of each proposal [sum k, vocab] on the device; None:
+    # each proposal is one-hot (n-gram)
 
     @property
     def sizes(self) -> StepSizes:

@@ -43,10 +43,10 @@ class StepRecord:
         start: float | None = None,
         duration: float | None = None,
         wait: float | None = None,
-        emitted: list[int] | None = None,
+        emitted: list[list[int]] | None = None,
     ) -> StepRecord:
         """Record a step after `scheduler.postprocess(plan, ...)` returned `finished` (the plan's lists are not copied);
-        `emitted`: how many tokens each sampled sequence got, if not one each (a speculative step)."""
+        `emitted`: each sampled sequence's tokens, where a step gives several (a speculative step)."""
         runs = iter(emitted or ())
         return cls(
             step,
@@ -62,7 +62,7 @@ class StepRecord:
             start,
             duration,
             wait,
-            None if emitted is None else [next(runs) if sampled else 0 for sampled in plan.is_sampled],
+            None if emitted is None else [len(next(runs)) if sampled else 0 for sampled in plan.is_sampled],
         )
 
     @property

@@ -3,6 +3,7 @@
 # %% ../../notebooks/deep_dives/10_speculative_decoding.ipynb #b3b49774
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,16 +70,18 @@ __all__ = ["METHODS", "KEYS", "DEFAULT_LOOKUP", "SpeculativeConfig", "engine_spe
 
 # %% ../../notebooks/deep_dives/10_speculative_decoding.ipynb #db3980a3
 def engine_speculative_config(d: dict[str, Any] | None, tensor_parallel_size: int = 1) -> SpeculativeConfig | None:
-    "`EngineArgs.speculative_config` parsed, and refused by name where the engine cannot speculate yet."
+    "`EngineArgs.speculative_config` parsed (a draft's folder checked); refused by name where it cannot run yet."
     if d is None:
         return None
     if not isinstance(d, dict):
         raise TypeError(f"speculative_config must be a dict of vLLM's keys or None, got {type(d).__name__}")
     config = SpeculativeConfig.from_dict(d)
-    if config.method == "draft_model":
-        raise ValueError("speculative_config: method 'draft_model' is not supported yet; use method 'ngram'")
     if tensor_parallel_size > 1:
         raise ValueError(
             f"speculative_config is not supported with tensor_parallel_size > 1 yet (got {tensor_parallel_size})"
+        )
+    if config.method == "draft_model" and not os.path.isfile(os.path.join(config.model, "config.json")):
+        raise ValueError(
+            f"speculative_config: the draft model {config.model!r} is not a model folder (no config.json there)"
         )
     return config

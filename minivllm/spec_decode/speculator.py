@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import itertools
 
+import torch
+
+from ..config import EngineConfig
 from ..engine.output_processor import OutputProcessor, Request
 from ..engine.scheduler import Scheduler, StepPlan, check_stop
 from ..engine.sequence import Sequence
 from ..outputs import RequestOutput
 from .config import SpeculativeConfig
+from .draft import DraftModelProposer
 from .ngram import NgramProposer
 
 # %% auto #0
@@ -21,9 +25,21 @@ class Speculator:
     """The engine's side of speculative decoding: each running decode's proposals before a step is scheduled, and a
     speculative step's emitted tokens booked one by one, up to the first stop. Counts acceptance in `stats`."""
 
-    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, outputs: OutputProcessor, stats):
-        self.config, self.proposer, self.stats = config, NgramProposer(config), stats
-        self.scheduler, self.outputs = scheduler, outputs
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        scheduler: Scheduler,
+        outputs: OutputProcessor,
+        stats,
+        engine: EngineConfig | None = None,
+    ):
+        "`engine`: the target's configuration, which a draft model needs (its device, dtype and vocabulary)."
+        self.config, self.stats, self.scheduler, self.outputs = config, stats, scheduler, outputs
+        if config.method == "ngram":
+            self.proposer = NgramProposer(config)
+        else:  # the draft's cache: as many blocks as the target's (its K/V per block is a fraction of the target's)
+            blocks = scheduler.block_manager.num_blocks
+            self.proposer = DraftModelProposer(config, engine, blocks, outputs.tokenizer)
 
     def propose(self) -> None:
         "Proposals from each decode's tokens, at most what max_tokens and the model length leave (no step in flight)."
@@ -34,7 +50,13 @@ class Speculator:
             if seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens and left > 0:
                 decodes.append(seq)
                 room.append(left)
-        for seq, guesses in zip(decodes, self.proposer.propose([s.token_ids for s in decodes], room)):
+        histories = [s.token_ids for s in decodes]
+        if isinstance(self.proposer, DraftModelProposer):  # its K/V is kept per running sequence
+            self.proposer.keep_only(scheduler.running)
+            proposals = self.proposer.propose(histories, room, decodes)
+        else:
+            proposals = self.proposer.propose(histories, room)
+        for seq, guesses in zip(decodes, proposals):
             seq.spec_token_ids = guesses
 
     @staticmethod
@@ -108,3 +130,29 @@ class Speculator:
                 outputs.remove(req)
                 done.append(req)
         return out, done
+
+    # %% ../../notebooks/deep_dives/10_speculative_decoding.ipynb #043e86c0
+    @classmethod
+    def of(cls, engine: EngineConfig, scheduler: Scheduler, outputs: OutputProcessor, stats) -> Speculator | None:
+        "The engine's Speculator, or None when it does not speculate (no `speculative_config`)."
+        config = engine.speculative_config
+        return None if config is None else cls(config, scheduler, outputs, stats, engine)
+
+    def draft_probs(self, plan: StepPlan) -> torch.Tensor | None:
+        """The draft's q of each guess the plan verifies, flat in the step's order (zero rows for greedy requests, which
+        verify by the argmax); None when no guess has one (the n-gram proposer's, or greedy drafts: one-hot)."""
+        q = getattr(self.proposer, "probs", None)
+        if not q or plan.spec_token_ids is None or not any(s.seq_id in q for s in plan.seqs):
+            return None
+        like = next(q[s.seq_id] for s in plan.seqs if s.seq_id in q)
+        rows = [
+            q[s.seq_id][: len(g)] if s.seq_id in q else like.new_zeros(len(g), like.shape[1])
+            for s, g in zip(plan.seqs, plan.spec_token_ids)
+            if g
+        ]
+        return torch.cat(rows)
+
+    def free(self, seq_id: int) -> None:
+        "A request ended: the draft model's K/V of it goes (the n-gram proposer keeps nothing)."
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.release(seq_id)

@@ -88,7 +88,7 @@ def verify(
     gens = [(generators or {}).get(r, generator) for r in rows]  # a seeded request's own generator, or the engine's
     draft = torch.from_numpy(step.draft_token_ids).to(logits.device)
     changed = logits if processors is None else processed_logits(logits, processors, rows, step)
-    emitted = rejection_sample(draft, counts, target_probs(changed, sampling), None, greedy, gens)
+    emitted = rejection_sample(draft, counts, target_probs(changed, sampling), step.draft_probs, greedy, gens)
     if processors is not None:
         book_emitted(processors, rows, emitted)
     if sampling.max_num_logprobs is None:
