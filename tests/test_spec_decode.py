@@ -214,3 +214,38 @@ def test_runs_on_cuda_tensors(target_and_draft):
     out = rejection_sample(guesses.cuda(), [3, 3], p.repeat(2, 1).cuda(), q.repeat(2, 1).cuda(), [False, True], gens)
     assert out[1] == greedy_reference([3, 4, 4], p)
     assert all(p[j, t] > 0 for tokens in out for j, t in enumerate(tokens))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_verify_steps_replay_cuda_graphs_with_the_tokens_of_eager_steps(monkeypatch):
+    "On a GPU, verify steps replay the verify graphs, and greedy outputs match eager speculation and plain decoding."
+    from minivllm import LLM, TINY_DRAFT_PATH, TINY_MODEL_PATH, SamplingParams
+    from minivllm.spec_decode.graphs import VerifyGraphRunner
+
+    replays = []
+    replay = VerifyGraphRunner.replay
+    monkeypatch.setattr(VerifyGraphRunner, "replay", lambda self, *a: replays.append(1) or replay(self, *a))
+    prompts = ["a b c a b c a b c a b c", "def f(x):\n    return x\n\ndef f(x):\n", "hello", [7, 8, 9, 7, 8, 9, 7]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    draft = {"method": "draft_model", "model": TINY_DRAFT_PATH, "num_speculative_tokens": 3}
+    runs = {}
+    for name, spec, eager in [
+        ("plain", None, False),
+        ("ngram", ngram, False),
+        ("eager", ngram, True),
+        ("draft", draft, False),
+    ]:
+        with LLM(
+            TINY_MODEL_PATH,
+            device="cuda",
+            dtype="float32",
+            speculative_config=spec,
+            enforce_eager=eager,
+            gpu_memory_utilization=0.3,
+        ) as llm:
+            runs[name] = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy, use_tqdm=False)]
+            if spec is not None:
+                assert llm.llm_engine.stats.num_spec_accepted_tokens > 0
+    assert runs["ngram"] == runs["plain"] and runs["eager"] == runs["plain"] and runs["draft"] == runs["plain"]
+    assert replays

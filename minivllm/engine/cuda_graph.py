@@ -17,17 +17,21 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 class GraphInputs:
     "What every graph reads: a device buffer laid out as the largest step, and two pinned host mirrors used in turn."
 
-    def __init__(self, max_batch_size: int, max_blocks: int, device: torch.device, max_tokens: int = 0):
+    def __init__(
+        self, max_batch_size: int, max_blocks: int, device: torch.device, max_tokens: int = 0, max_rows: int = 0
+    ):
         tokens = max(max_tokens, max_batch_size)  # a decode step has a token per sequence; a mixed step more
-        self.capacity = StepSizes(tokens, max_batch_size, max_batch_size, max_blocks)
+        rows = max(max_rows, max_batch_size)  # logits rows: one per sequence (a verify step's: one per token)
+        self.capacity = StepSizes(tokens, rows, max_batch_size, max_blocks)
         nbytes, pin = step_nbytes(self.capacity), device.type == "cuda"  # (a host-only runner cannot pin)
         self.device_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.hosts = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self.host_views = [numpy_views(host.numpy(), self.capacity) for host in self.hosts]
         self.views, self.turn = tensor_views(self.device_buffer, self.capacity), 0
 
-    def step(self, bs: int, max_seqlen_k: int, cascade: bool = False, tokens: int = 0) -> DeviceStep:
-        "The buffer's first `bs` sequences as a graph's inputs: a decode step's, or a mixed step's of `tokens` tokens."
+    def step(self, bs: int, max_seqlen_k: int, cascade: bool = False, tokens: int = 0, rows: int = 0) -> DeviceStep:
+        """The buffer's first `bs` sequences as a graph's inputs: a decode step's, or a mixed step's of `tokens` tokens
+        (and `rows` logits rows, if not one per sequence)."""
         v, t = self.views, tokens or bs
         meta = AttentionMetadata(
             v["cu_seqlens_q"][: bs + 1],
@@ -39,7 +43,7 @@ class GraphInputs:
             v["block_tables"][:bs],
             v["shared_prefix_len"] if cascade else None,
         )
-        return DeviceStep(v["input_ids"][:t], v["positions"][:t], v["logits_indices"][:bs], meta)
+        return DeviceStep(v["input_ids"][:t], v["positions"][:t], v["logits_indices"][: rows or bs], meta)
 
     def load(self, step: StepInputs, batch_size: int, input_ids: torch.Tensor | None, tokens: int = 0) -> None:
         "Fill the buffer with `step`, padded to `batch_size` rows (and `tokens` tokens) that write and read nothing."

@@ -229,7 +229,7 @@ class LLMEngine:
                 self.speculator is None or self.speculator.may_plan_ahead(current.plan)
             )
             if ahead and not self.grammars.constrains(s.seq_id for s in current.plan.seqs):
-                # the next decode step goes to the device before this one is collected (unless a grammar needs its tokens)
+                # the next decode step is launched before this one is collected (unless a grammar needs these tokens)
                 self.in_flight = self._launch(plan_lookahead(self.scheduler, current.plan))
             waiting = time.perf_counter()
             token_ids, logprobs = self.executor.collect(current.handle)
