@@ -249,3 +249,21 @@ def test_verify_steps_replay_cuda_graphs_with_the_tokens_of_eager_steps(monkeypa
                 assert llm.llm_engine.stats.num_spec_accepted_tokens > 0
     assert runs["ngram"] == runs["plain"] and runs["eager"] == runs["plain"] and runs["draft"] == runs["plain"]
     assert replays
+
+
+def test_greedy_verification_on_the_host_matches_rejection_sampling():
+    "accept_greedy (the all-greedy fast path: one argmax copied to the host) emits what rejection_sample emits."
+    from minivllm.spec_decode.rejection import accept_greedy
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        counts = torch.randint(0, 5, (int(torch.randint(1, 7, (1,), generator=gen)),), generator=gen).tolist()
+        logits = torch.randn(sum(counts) + len(counts), 6, generator=gen)
+        argmax = logits.argmax(-1)
+        rows = [r for i, k in enumerate(counts) for r in range(sum(counts[:i]) + i, sum(counts[:i]) + i + k)]
+        guesses = torch.where(
+            torch.rand(len(rows), generator=gen) < 0.7, argmax[rows], torch.randint(0, 6, (len(rows),), generator=gen)
+        )
+        probs = torch.zeros_like(logits).scatter_(1, argmax[:, None], 1.0)
+        expected = rejection_sample(guesses, counts, probs, None, [True] * len(counts))
+        assert accept_greedy(guesses.numpy(), counts, argmax.numpy()) == expected

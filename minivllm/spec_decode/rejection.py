@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 PLACEHOLDER_TOKEN_ID = -1  # vLLM's filler after a sequence's last emitted token
@@ -54,7 +55,7 @@ def _recover(
 
 
 # %% auto #0
-__all__ = ["PLACEHOLDER_TOKEN_ID", "rejection_sample"]
+__all__ = ["PLACEHOLDER_TOKEN_ID", "rejection_sample", "accept_greedy"]
 
 
 # %% ../../notebooks/deep_dives/10_speculative_decoding.ipynb #af6c3984
@@ -95,3 +96,19 @@ def rejection_sample(
     out[seq, pos] = torch.where(pos < num_accepted[seq], draft, PLACEHOLDER_TOKEN_ID)
     out.scatter_(1, num_accepted[:, None], final[:, None])
     return [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out.tolist()]
+
+
+# %% ../../notebooks/deep_dives/10_speculative_decoding.ipynb #c6a9c302
+def accept_greedy(
+    draft_token_ids: np.ndarray, num_draft_tokens: Sequence[int], target_ids: np.ndarray
+) -> list[list[int]]:
+    """Greedy verification on the host, given each target row's argmax (`target_ids`, k_i + 1 rows per sequence):
+    sequence i keeps its guesses while they equal the argmax, then takes the argmax of the row after the last kept."""
+    counts = np.asarray(num_draft_tokens, dtype=np.int64)
+    starts = np.cumsum(counts + 1) - (counts + 1)  # each sequence's first target row
+    seq = np.repeat(np.arange(len(counts)), counts)  # the sequence of each guess
+    pos = np.arange(len(seq)) - np.repeat(starts - np.arange(len(counts)), counts)  # its place among them
+    wrong = draft_token_ids != target_ids[starts[seq] + pos]
+    num_accepted = counts.copy()
+    np.minimum.at(num_accepted, seq[wrong], pos[wrong])  # the first wrong guess ends the run
+    return [target_ids[s : s + n + 1].tolist() for s, n in zip(starts.tolist(), num_accepted.tolist())]

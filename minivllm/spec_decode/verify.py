@@ -9,7 +9,7 @@ import torch
 from ..engine.step_inputs import StepInputs
 from ..layers.logits_processors import LogitsProcessors, TokenHistory
 from ..layers.sampler import SamplingTensors, filtered_probs, gather_logprobs
-from .rejection import rejection_sample
+from .rejection import accept_greedy, rejection_sample
 
 
 def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -81,6 +81,8 @@ def verify(
     """A speculative step's tokens: sequence i's k_i + 1 rows of `logits` verify its k_i proposals. Returns its
     emitted tokens (the accepted guesses, then one from the target) and, where asked, their log-probabilities."""
     counts, processors = step.num_draft_tokens, sampling.processors
+    if sampling.all_greedy and processors is None and sampling.max_num_logprobs is None:  # one argmax, one copy
+        return accept_greedy(step.draft_token_ids, counts, logits.argmax(dim=-1).cpu().numpy()), None
     rows = (np.cumsum([0, *counts])[:-1] + np.arange(len(counts))).tolist()  # each sequence's first row
     greedy = [True] * len(rows) if sampling.all_greedy else [False] * len(rows)
     if sampling.greedy_mask is not None:
