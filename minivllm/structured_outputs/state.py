@@ -57,14 +57,18 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return xgr.allocate_token_bitmask(rows, vocab_size)
 
 
+PARALLEL_FILL_ROWS = 128  # fewer rows are filled on one thread: waking the others costs more ("What it costs")
+
+
 def fill_bitmask(states: list[GrammarState], bitmask: torch.Tensor, rows: list[int]) -> None:
-    "Write each state's next-token mask into its row of `bitmask`, on several host threads (xgrammar's batch matcher)."
-    batch_matcher().batch_fill_next_token_bitmask([state.matcher for state in states], bitmask, rows)
+    "Write each state's next-token mask into its row of `bitmask` (xgrammar's batch matcher; many rows: threads)."
+    matcher = batch_matcher(len(rows) >= PARALLEL_FILL_ROWS)
+    matcher.batch_fill_next_token_bitmask([state.matcher for state in states], bitmask, rows)
 
 
 @functools.cache
-def batch_matcher() -> xgr.BatchGrammarMatcher:
-    return xgr.BatchGrammarMatcher(max_threads="auto")
+def batch_matcher(parallel: bool) -> xgr.BatchGrammarMatcher:
+    return xgr.BatchGrammarMatcher(max_threads="auto" if parallel else 1)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
@@ -82,6 +86,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
 
 # %% auto #0
 __all__ = [
+    "PARALLEL_FILL_ROWS",
     "GrammarState",
     "allocate_bitmask",
     "fill_bitmask",
