@@ -1,0 +1,118 @@
+"""Speculative decoding on a GPU with the tiny model (issue 51): greedy outputs with n-gram and draft-model speculation
+token-identical to plain decoding (float32 and bfloat16), acceptance, and single-stream / batch-8 output tok/s of four
+engines alternating, medians of 3: plain, n-gram, n-gram forced to reject every guess (k guesses padded onto every
+step, none accepted: the pure cost of trying), and the draft model.
+
+    python tools/spec_bench.py OUT.json
+"""
+
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+import minivllm.spec_decode.rejection as R
+import minivllm.spec_decode.verify as V
+from minivllm import LLM, TINY_DRAFT_PATH, TINY_MODEL_PATH, SamplingParams
+from minivllm.spec_decode.ngram import NgramProposer
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+PROMPTS = [
+    "a b c a b c a b c a b c a b c",
+    "hello",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n",
+    [7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9, 10, 7, 8],
+    "the cat sat on the mat, the cat sat on the",
+    "x",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(i)\nfor i in range(10):\n",
+]
+DRAFT = {"method": "draft_model", "model": TINY_DRAFT_PATH, "num_speculative_tokens": 3}
+CONFIGS = {"plain": None, "ngram": SPEC, "forced_reject": SPEC, "draft": DRAFT}
+res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+for dtype in ("float32", "bfloat16"):
+    outs = {}
+    for m in ("plain", "ngram", "draft"):
+        with LLM(TINY_MODEL_PATH, device="cuda", dtype=dtype, speculative_config=CONFIGS[m]) as llm:
+            outs[m] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+            st = llm.llm_engine.stats
+            if m != "plain":
+                res[f"{dtype}_{m}_acceptance"] = [
+                    st.num_spec_drafts,
+                    st.num_spec_draft_tokens,
+                    st.num_spec_accepted_tokens,
+                ]
+                res[f"{dtype}_{m}_same"] = [a == b for a, b in zip(outs["plain"], outs[m])]
+                print(
+                    dtype,
+                    m,
+                    "same tokens:",
+                    res[f"{dtype}_{m}_same"],
+                    "drafts/draft tokens/accepted:",
+                    res[f"{dtype}_{m}_acceptance"],
+                    flush=True,
+                )
+
+orig_propose, orig_accept = NgramProposer.propose, R._accept
+
+
+def always_k(self, histories, max_k=None):  # the real lookup, then padded to k guesses (the last token repeated)
+    caps = [self.k] * len(histories) if max_k is None else [min(self.k, m) for m in max_k]
+    out = orig_propose(self, histories, max_k)
+    return [(g + [int(h[-1])] * c)[:c] for g, h, c in zip(out, histories, caps)]
+
+
+def reject_all(*a):
+    return torch.zeros_like(orig_accept(*a))
+
+
+orig_greedy = V.accept_greedy
+
+
+def reject_greedy(d, c, t):
+    return orig_greedy(np.full_like(d, -1), c, t)
+
+
+def forced(on):
+    NgramProposer.propose, R._accept, V.accept_greedy = (
+        (always_k, reject_all, reject_greedy) if on else (orig_propose, orig_accept, orig_greedy)
+    )
+
+
+code = PROMPTS[2] * 3
+modes = ("plain", "ngram", "forced_reject", "draft")
+llms = {
+    m: LLM(TINY_MODEL_PATH, device="cuda", speculative_config=CONFIGS[m], gpu_memory_utilization=0.2) for m in modes
+}
+timing = {}
+for batch in (1, 8):
+    p = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    runs, toks = {m: [] for m in modes}, {}
+    for m in modes:
+        forced(m == "forced_reject")
+        toks[m] = [o.outputs[0].token_ids for o in llms[m].generate([code] * batch, p, use_tqdm=False)]  # warm-up
+    for _ in range(3):
+        for m in modes:
+            forced(m == "forced_reject")
+            t = time.perf_counter()
+            outs = llms[m].generate([code] * batch, p, use_tqdm=False)
+            dt = time.perf_counter() - t
+            runs[m].append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+    forced(False)
+    row = {f"{m}_tok_s": statistics.median(runs[m]) for m in modes}
+    row.update(runs=runs, same_tokens={m: toks[m] == toks["plain"] for m in modes})
+    row["ngram_ratio"] = row["ngram_tok_s"] / row["plain_tok_s"]
+    row["forced_reject_ratio"] = row["forced_reject_tok_s"] / row["plain_tok_s"]
+    row["draft_ratio"] = row["draft_tok_s"] / row["plain_tok_s"]
+    timing[batch] = row
+    ratios = ", ".join(f"{m} {row[m + '_tok_s']:.0f} ({row[m + '_ratio']:.2f}x)" for m in modes[1:])
+    print(f"batch {batch}: plain {row['plain_tok_s']:.0f} tok/s, {ratios}, same {row['same_tokens']}", flush=True)
+st = llms["ngram"].llm_engine.stats
+res["timing_acceptance_ngram"] = [st.num_spec_drafts, st.num_spec_draft_tokens, st.num_spec_accepted_tokens]
+st = llms["draft"].llm_engine.stats
+res["timing_acceptance_draft"] = [st.num_spec_drafts, st.num_spec_draft_tokens, st.num_spec_accepted_tokens]
+res["timing"] = timing
+json.dump(res, open(sys.argv[1], "w"), indent=1)
