@@ -15,6 +15,7 @@ import shutil
 import time
 
 import pytest
+from _spec_prompts import PROMPTS, SPEC
 from prometheus_client import CollectorRegistry
 
 from minivllm import LLM, TINY_DRAFT_PATH, TINY_MODEL_PATH, SamplingParams
@@ -24,16 +25,6 @@ from minivllm.entrypoints.cli import engine_kwargs, parse_serve_args
 from minivllm.entrypoints.metrics import EngineMetrics
 from minivllm.structured_outputs.params import StructuredOutputsParams
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-PROMPTS = [
-    "a b c a b c a b c a b c a b c",
-    "hello",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n",
-    [7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9, 10, 7, 8],
-    "the cat sat on the mat, the cat sat on the",
-    "x",
-    "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(i)\nfor i in range(10):\n",
-]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 

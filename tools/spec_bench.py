@@ -19,16 +19,9 @@ import minivllm.spec_decode.verify as V
 from minivllm import LLM, TINY_DRAFT_PATH, TINY_MODEL_PATH, SamplingParams
 from minivllm.spec_decode.ngram import NgramProposer
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-PROMPTS = [
-    "a b c a b c a b c a b c a b c",
-    "hello",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n",
-    [7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9, 10, 7, 8],
-    "the cat sat on the mat, the cat sat on the",
-    "x",
-    "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(i)\nfor i in range(10):\n",
-]
+sys.path.insert(0, "tests")
+from _spec_prompts import PROMPTS, SPEC  # noqa: E402
+
 DRAFT = {"method": "draft_model", "model": TINY_DRAFT_PATH, "num_speculative_tokens": 3}
 CONFIGS = {"plain": None, "ngram": SPEC, "forced_reject": SPEC, "draft": DRAFT}
 res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
