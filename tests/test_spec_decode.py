@@ -267,3 +267,44 @@ def test_greedy_verification_on_the_host_matches_rejection_sampling():
         probs = torch.zeros_like(logits).scatter_(1, argmax[:, None], 1.0)
         expected = rejection_sample(guesses, counts, probs, None, [True] * len(counts))
         assert accept_greedy(guesses.numpy(), counts, argmax.numpy()) == expected
+
+
+def test_verify_inputs_without_a_loop_equal_prepare_step():
+    "prepare_verify (decodes verifying guesses, no loop over sequences) builds the arrays prepare_step builds."
+    from minivllm.engine.batch_builder import BlockTables, prepare_step, prepare_verify
+    from minivllm.engine.scheduler import StepPlan
+    from minivllm.engine.sequence import Sequence
+    from minivllm.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(0)
+    for batch in (1, 3, 17):
+        seqs, guesses = [], []
+        for _ in range(batch):
+            seq = Sequence(rng.integers(0, 50, int(rng.integers(1, 40))).tolist(), SamplingParams(max_tokens=64))
+            for token in rng.integers(0, 50, int(rng.integers(1, 5))):
+                seq.append_token(int(token))
+            seq.num_computed_tokens = seq.num_tokens - 1
+            seq.block_table = rng.permutation(400)[:12].tolist()  # 48 positions in blocks of 4
+            seqs.append(seq)
+            guesses.append(rng.integers(0, 50, int(rng.integers(0, 4))).tolist())
+        plan = StepPlan.of(seqs, [1 + len(g) for g in guesses], [], spec_token_ids=guesses)
+        assert not plan.num_prefill_tokens
+        expected, got = prepare_step(plan, 4), prepare_verify(plan, 4, BlockTables(12, batch))
+        for name in (
+            "input_ids",
+            "positions",
+            "slot_mapping",
+            "logits_indices",
+            "seq_ids",
+            "cu_seqlens_q",
+            "cu_seqlens_k",
+            "context_lens",
+            "draft_token_ids",
+        ):
+            assert np.array_equal(getattr(got, name), getattr(expected, name)), name
+        assert np.array_equal(got.block_tables[:, :12], expected.block_tables[:, :12])
+        assert (got.num_draft_tokens, got.max_seqlen_q, got.max_seqlen_k) == (
+            expected.num_draft_tokens,
+            expected.max_seqlen_q,
+            expected.max_seqlen_k,
+        )

@@ -3,6 +3,7 @@
 # %% ../../notebooks/09_model_runner.ipynb #7f87cd83
 from __future__ import annotations
 
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -52,6 +53,7 @@ __all__ = [
     "Batch",
     "BlockTables",
     "prepare_decode",
+    "prepare_verify",
     "BatchBuilder",
 ]
 
@@ -190,6 +192,40 @@ def prepare_decode(
     )
 
 
+def prepare_verify(plan: StepPlan, block_size: int, tables: BlockTables) -> StepInputs:
+    """A speculative step of decodes only (no prompt tokens), as `prepare_step` builds it, without a loop over the
+    sequences: each feeds its last token and its guesses, and each of those rows becomes logits."""
+    seqs, guesses = plan.seqs, plan.spec_token_ids
+    n = len(seqs)
+    counts = np.fromiter(map(len, guesses), dtype=np.int64, count=n)
+    rows = counts + 1  # tokens (and logits rows) per sequence
+    cu_q = cumsum0(rows)
+    total = int(cu_q[-1])
+    seq = np.repeat(np.arange(n), rows)
+    last = np.fromiter((len(s.token_ids) - 1 for s in seqs), dtype=np.int64, count=n)  # the last token's position
+    positions = last[seq] + np.arange(total) - cu_q[:-1].astype(np.int64)[seq]
+    block_tables = tables.array(seqs)
+    blocks = block_tables[seq, positions // block_size].astype(np.int64)
+    context_lens = (last + rows).astype(np.int32)
+    tokens = chain.from_iterable(chain((s.token_ids[-1],), g) for s, g in zip(seqs, guesses))
+    return StepInputs(
+        input_ids=np.fromiter(tokens, dtype=np.int64, count=total),
+        positions=positions,
+        slot_mapping=blocks * block_size + positions % block_size,
+        logits_indices=np.arange(total, dtype=np.int64),
+        seq_ids=np.repeat(tables.batch(seqs).ids, rows),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cumsum0(context_lens),
+        context_lens=context_lens,
+        block_tables=block_tables,
+        shared_prefix_len=NO_PREFIX,
+        max_seqlen_q=int(rows.max()),
+        max_seqlen_k=int(context_lens.max()),
+        num_draft_tokens=counts.tolist(),
+        draft_token_ids=np.fromiter(chain.from_iterable(guesses), dtype=np.int64, count=int(counts.sum())),
+    )
+
+
 # %% ../../notebooks/09_model_runner.ipynb #7fe863bb
 class BatchBuilder:
     "StepPlan -> StepInputs, for one engine: its block size, its block-table rows, and whether it may cascade."
@@ -199,6 +235,8 @@ class BatchBuilder:
         self.tables = BlockTables(-(-max_model_len // block_size), max_num_seqs)
 
     def build(self, plan: StepPlan) -> StepInputs:
+        if plan.spec_token_ids is not None and not plan.num_prefill_tokens:  # decodes verifying guesses (deep dive 10)
+            return prepare_verify(plan, self.block_size, self.tables)
         if not plan.is_decode_only or plan.num_prefill_tokens:
             return prepare_step(plan, self.block_size)
         step = prepare_decode(plan.seqs, self.block_size, self.tables, plan.ahead_rows)
