@@ -32,6 +32,7 @@ from minivllm.layers.sampler import (
     apply_min_p,
     apply_top_k,
     apply_top_k_top_p,
+    filtered_logits,
     gather_logprobs,
     random_sample,
 )
@@ -65,16 +66,8 @@ def hf_filtered(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
 
 
 def our_filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    "The Sampler's pipeline up to the softmax, batched (the same calls as Sampler.forward)."
-    s = SamplingTensors.from_params(params, logits.device)
-    x = logits.float() / s.temperatures.unsqueeze(1)
-    if s.top_p is not None:
-        x = apply_top_k_top_p(x, s.top_k, s.top_p)
-    elif s.top_k is not None:
-        x = apply_top_k(x, s.top_k, s.max_top_k)
-    if s.min_p is not None:
-        x = apply_min_p(x, s.min_p)
-    return x
+    "The Sampler's pipeline up to the softmax, batched (the package's own `filtered_logits`)."
+    return filtered_logits(logits, SamplingTensors.from_params(params, logits.device))
 
 
 def reference_probs(logits: list[float], T: float = 1.0, k: int = 0, p: float = 1.0, m: float = 0.0) -> list[float]:

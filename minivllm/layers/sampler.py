@@ -32,6 +32,7 @@ __all__ = [
     "apply_min_p",
     "random_sample",
     "SamplingTensors",
+    "filtered_logits",
     "filtered_probs",
     "Sampler",
     "LogprobsTensors",
@@ -132,8 +133,8 @@ class SamplingTensors:
 
 
 # %% ../../notebooks/07_sampler.ipynb #3c877908
-def filtered_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
-    "Each row's distribution after its temperature, top-k / top-p and min-p: what a random row is drawn from."
+def filtered_logits(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+    "Each row's logits after its temperature, top-k / top-p and min-p (the filtered-out tokens at -inf)."
     logits = logits.float() / sampling.temperatures.unsqueeze(1)  # a new tensor: the filters work in place
     if sampling.top_p is not None:
         logits = apply_top_k_top_p(logits, sampling.top_k, sampling.top_p)
@@ -141,7 +142,12 @@ def filtered_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
         logits = apply_top_k(logits, sampling.top_k, sampling.max_top_k)
     if sampling.min_p is not None:
         logits = apply_min_p(logits, sampling.min_p)
-    return logits.softmax(dim=-1)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+    "Each row's distribution after its temperature, top-k / top-p and min-p: what a random row is drawn from."
+    return filtered_logits(logits, sampling).softmax(dim=-1)
 
 
 class Sampler(nn.Module):

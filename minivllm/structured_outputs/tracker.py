@@ -102,11 +102,15 @@ class GrammarTracker:
 
     def advance_runs(self, seq_ids: Iterable[int], runs: list[list[int]]) -> None:
         "A speculative step's tokens (deep dive 10): each sequence's run, accepted in order."
+        if not self.states:  # (no constrained sequence: no walk over the batch)
+            return
         for seq_id, tokens in zip(seq_ids, runs, strict=True):
             self.advance([seq_id] * len(tokens), tokens)
 
     def check_proposals(self, seqs: Iterable) -> None:
         "Cut each constrained sequence's proposals (`spec_token_ids`, deep dive 10) to what its grammar allows."
+        if not self.states:
+            return
         for seq in seqs:
             state = self.states.get(seq.seq_id)
             if state is not None and seq.spec_token_ids:
