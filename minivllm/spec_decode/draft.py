@@ -11,6 +11,7 @@ import torch
 
 from ..config import EngineConfig
 from ..engine.batch_builder import NO_PREFIX, cumsum0
+from ..engine.cuda_graph import CUDAGraphRunner
 from ..engine.inputs import load_tokenizer
 from ..engine.kv_cache import allocate_kv_cache
 from ..engine.step_inputs import StepInputs, to_device
@@ -107,6 +108,17 @@ class DraftModelProposer:
         self.states: dict[int, DraftState] = {}  # seq_id -> what the draft holds for it
         self.probs: dict[int, torch.Tensor] = {}  # seq_id -> q of its last proposal [k, vocab] (sampled requests)
         self.generator = torch.Generator(self.device).manual_seed(engine.seed)
+        self.graphs = None  # on a GPU, the draft's one-token steps (every guess after the first) replay decode graphs
+        if self.device.type == "cuda" and not engine.enforce_eager and policy.decode.supports_decode_graphs:
+            self.graphs = CUDAGraphRunner(
+                self.model,
+                engine.max_num_seqs,
+                engine.max_model_len,
+                self.block_size,
+                hf_config.vocab_size,
+                engine.torch_dtype,
+                self.device,
+            )
 
     def release(self, seq_id: int) -> None:
         "Give a sequence's blocks back (it finished, was aborted or preempted)."
@@ -149,7 +161,10 @@ class DraftModelProposer:
     @torch.inference_mode()
     def _logits(self, chunks: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         "One forward pass of the draft: each chunk's K/V into its blocks, each chunk's last row's logits."
-        x = to_device(draft_inputs(chunks, self.block_size), self.device)
+        step = draft_inputs(chunks, self.block_size)
+        if self.graphs is not None and self.graphs.can_run(step):  # one token per sequence: a replay
+            return self.graphs.replay(step).float()  # (a copy: the next replay writes over the graphs' logits)
+        x = to_device(step, self.device)
         hidden = self.model(x.input_ids, x.positions, x.meta)
         return self.model.compute_logits(hidden[x.logits_indices]).float()
 
