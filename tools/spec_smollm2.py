@@ -89,6 +89,23 @@ def forced(on: bool) -> None:
     NgramProposer.propose, R._accept, V.accept_greedy = patched
 
 
+def step_times(llm: LLM, chats: list, params: SamplingParams, reject: bool) -> dict:
+    "Median ms of a decode step, of its wait for the device, and tokens per step, from the engine's step trace."
+    forced(reject)
+    engine = llm.llm_engine
+    trace = engine.start_trace()
+    llm.chat(chats, params, use_tqdm=False)
+    engine.trace = None
+    steps = [r for r in trace if not any(r.is_prefill)]
+    runner = getattr(engine.executor, "runner", None)
+    return {
+        "step_ms": 1e3 * statistics.median(r.duration for r in steps),
+        "wait_ms": 1e3 * statistics.median(r.wait for r in steps),
+        "tokens_per_step": sum(sum(r.num_emitted or [1]) for r in steps) / len(steps),
+        "verify_graphs": getattr(runner, "verify_graphs", None) is not None,
+    }
+
+
 def main() -> None:
     path, out_path = sys.argv[1], sys.argv[2]
     device = sys.argv[3] if len(sys.argv) > 3 else "cuda"
@@ -118,6 +135,9 @@ def main() -> None:
         timing[batch] = row
         ratios = ", ".join(f"{m} {row[m + '_tok_s']:.0f} ({row[m + '_ratio']:.2f}x)" for m in MODES[1:])
         print(f"batch {batch}: plain {row['plain_tok_s']:.0f} tok/s, {ratios}, same {row['same_tokens']}", flush=True)
+    res["steps_b1"] = {m: step_times(llms[m], CHATS[:1], params, m == "forced_reject") for m in MODES}
+    forced(False)
+    print("steps, batch 1:", res["steps_b1"], flush=True)
     st = llms["ngram"].llm_engine.stats
     res["acceptance_ngram"] = dict(
         drafts=st.num_spec_drafts, draft_tokens=st.num_spec_draft_tokens, accepted=st.num_spec_accepted_tokens
