@@ -193,8 +193,9 @@ def prepare_decode(
 
 
 def prepare_verify(plan: StepPlan, block_size: int, tables: BlockTables) -> StepInputs:
-    """A speculative step of decodes only (no prompt tokens), as `prepare_step` builds it, without a loop over the
-    sequences: each feeds its last token and its guesses, and each of those rows becomes logits."""
+    """A speculative step of decodes only (no prompt tokens), as a decode step of one row per token (deep dive 10):
+    each sequence feeds its last token and its guesses, each row sees the cache up to its own position (its
+    sequence's block table, repeated), and each row becomes logits. No loop over the sequences."""
     seqs, guesses = plan.seqs, plan.spec_token_ids
     n = len(seqs)
     counts = np.fromiter(map(len, guesses), dtype=np.int64, count=n)
@@ -204,9 +205,9 @@ def prepare_verify(plan: StepPlan, block_size: int, tables: BlockTables) -> Step
     seq = np.repeat(np.arange(n), rows)
     last = np.fromiter((len(s.token_ids) - 1 for s in seqs), dtype=np.int64, count=n)  # the last token's position
     positions = last[seq] + np.arange(total) - cu_q[:-1].astype(np.int64)[seq]
-    block_tables = tables.array(seqs)
-    blocks = block_tables[seq, positions // block_size].astype(np.int64)
-    context_lens = (last + rows).astype(np.int32)
+    block_tables = tables.array(seqs)[seq]
+    blocks = block_tables[np.arange(total), positions // block_size].astype(np.int64)
+    context_lens = (positions + 1).astype(np.int32)
     tokens = chain.from_iterable(chain((s.token_ids[-1],), g) for s, g in zip(seqs, guesses))
     return StepInputs(
         input_ids=np.fromiter(tokens, dtype=np.int64, count=total),
@@ -214,12 +215,12 @@ def prepare_verify(plan: StepPlan, block_size: int, tables: BlockTables) -> Step
         slot_mapping=blocks * block_size + positions % block_size,
         logits_indices=np.arange(total, dtype=np.int64),
         seq_ids=np.repeat(tables.batch(seqs).ids, rows),
-        cu_seqlens_q=cu_q,
+        cu_seqlens_q=np.arange(total + 1, dtype=np.int32),
         cu_seqlens_k=cumsum0(context_lens),
         context_lens=context_lens,
         block_tables=block_tables,
         shared_prefix_len=NO_PREFIX,
-        max_seqlen_q=int(rows.max()),
+        max_seqlen_q=1,
         max_seqlen_k=int(context_lens.max()),
         num_draft_tokens=counts.tolist(),
         draft_token_ids=np.fromiter(chain.from_iterable(guesses), dtype=np.int64, count=int(counts.sum())),

@@ -166,7 +166,8 @@ class MixedGraphRunner:
 
     def can_run(self, step: StepInputs) -> bool:
         s = step.sizes  # (prompt log-probabilities need logits of other rows: eager)
-        return s.num_tokens <= self.token_sizes[-1] and s.num_seqs <= self.max_num_seqs and not s.num_prompt_logits
+        fits = s.num_tokens <= self.token_sizes[-1] and max(s.num_seqs, s.num_sampled) <= self.max_num_seqs
+        return fits and not s.num_prompt_logits
 
     def replay(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         "The sampled rows' logits (None if no row samples), from the smallest graph with room for the step's tokens."

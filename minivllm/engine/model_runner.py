@@ -16,7 +16,6 @@ from ..layers.linear import pack_for_cpu
 from ..layers.sampler import LogprobsTensors, Sampler, SamplingTensors, gather_logprobs
 from ..models.registry import build_model
 from ..sampling_params import SamplingParams
-from ..spec_decode.graphs import VerifyGraphRunner
 from ..spec_decode.verify import verify
 from .cuda_graph import CUDAGraphRunner, MixedGraphRunner
 from .host_memory import reuse_freed_memory
@@ -62,7 +61,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         else:
             reuse_freed_memory()  # a step's large temporaries reuse the pages of the step before
-        self.kv_cache = self.graphs = self.mixed_graphs = self.verify_graphs = None
+        self.kv_cache = self.graphs = self.mixed_graphs = None
         self.policy = kernel_policy(  # which kernels run, decided once (notebook 08), from the backends Config resolved
             self.device, config.torch_dtype, config.attention_backend, config.prefill_backend, config.cache_dtype
         )
@@ -100,7 +99,6 @@ class ModelRunner:
                     self.mixed_graphs = MixedGraphRunner(
                         self.model, self.graphs, config.max_num_batched_tokens, self.device
                     )
-                    self.verify_graphs = VerifyGraphRunner.of(self.model, self.graphs, config)  # (deep dive 10)
         except BaseException:
             self.close()
             raise
@@ -116,20 +114,19 @@ class ModelRunner:
     def launch(self, step: StepInputs) -> StepHandle:
         "Queue the forward pass, the sampled rows' logits and (first rank) the sampler, and return at once."
         input_ids = self._ahead_input_ids(step) if step.ahead else None
-        verifies = step.num_draft_tokens is not None  # speculative decoding: every token's logits (deep dive 10)
-        graphs = self.verify_graphs if verifies else self.graphs if step.is_decode_only else self.mixed_graphs
+        graphs = self.graphs if step.is_decode_only else self.mixed_graphs  # (a verify step of decodes is one: 10)
         graph = graphs is not None and graphs.can_run(step)  # (decode graphs: every sequence samples)
         logits, prompt = (graphs.replay(step, input_ids), None) if graph else self._forward(step, input_ids)
         if self.tp.rank != 0:  # not the sampling rank
             return StepHandle()
-        greedy_ids = graphs.greedy_ids[: len(logits)] if graph and not verifies and logits is not None else None
+        greedy_ids = graphs.greedy_ids[: len(logits)] if graph and logits is not None else None
         if logits is None:  # prompt chunks only
             handle = StepHandle()
         elif step.num_draft_tokens is not None:  # speculative decoding: verify the proposals (deep dive 10)
-            self._apply_grammar(logits, step)
-            handle = StepHandle(
-                emitted=verify(logits, step, *self.sampling.batch(step.seq_ids), self.sampling.generator)
-            )
+            if self._apply_grammar(logits, step):
+                greedy_ids = None  # (the graph's argmax saw the logits before the mask)
+            sampling, generators = self.sampling.batch(step.seq_ids)
+            handle = StepHandle(emitted=verify(logits, step, sampling, generators, self.sampling.generator, greedy_ids))
         else:
             handle = self._sample(logits, step, greedy_ids)
         if prompt is not None:  # prompt log-probabilities: a few rows of prompt steps (never in a graph)
@@ -208,7 +205,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
-        self.graphs = self.mixed_graphs = self.verify_graphs = self.kv_cache = self.last_sampled = None
+        self.graphs = self.mixed_graphs = self.kv_cache = self.last_sampled = None
         if getattr(self, "model", None) is not None:
             for layer in attention_layers(self.model):
                 layer.k_cache = layer.v_cache = None

@@ -200,6 +200,7 @@ def device_step(step: StepInputs, t: dict[str, torch.Tensor]) -> DeviceStep:
         t["context_lens"],
         t["block_tables"],
         cascade,
+        verifies=step.num_draft_tokens is not None,
     )
     prompt = (t["prompt_logits_indices"], t["prompt_target_ids"]) if len(step.prompt_logits_indices) else (None, None)
     return DeviceStep(t["input_ids"], t["positions"], t["logits_indices"], meta, *prompt)

@@ -77,12 +77,15 @@ def verify(
     sampling: SamplingTensors,
     generators: dict[int, torch.Generator] | None,
     generator: torch.Generator,
+    greedy_ids: torch.Tensor | None = None,
 ) -> tuple[list[list[int]], list[list[dict] | None] | None]:
     """A speculative step's tokens: sequence i's k_i + 1 rows of `logits` verify its k_i proposals. Returns its
-    emitted tokens (the accepted guesses, then one from the target) and, where asked, their log-probabilities."""
+    emitted tokens (the accepted guesses, then one from the target) and, where asked, their log-probabilities.
+    `greedy_ids`: each row's argmax where a CUDA graph's replay left it."""
     counts, processors = step.num_draft_tokens, sampling.processors
     if sampling.all_greedy and processors is None and sampling.max_num_logprobs is None:  # one argmax, one copy
-        return accept_greedy(step.draft_token_ids, counts, logits.argmax(dim=-1).cpu().numpy()), None
+        argmax = logits.argmax(dim=-1) if greedy_ids is None else greedy_ids
+        return accept_greedy(step.draft_token_ids, counts, argmax.cpu().numpy()), None
     rows = (np.cumsum([0, *counts])[:-1] + np.arange(len(counts))).tolist()  # each sequence's first row
     greedy = [True] * len(rows) if sampling.all_greedy else [False] * len(rows)
     if sampling.greedy_mask is not None:
