@@ -276,7 +276,8 @@ def test_greedy_verification_on_the_host_matches_rejection_sampling():
 
 def test_verify_inputs_are_a_decode_step_of_the_prompt_chunk_tokens():
     """prepare_verify (decodes verifying guesses, no loop over sequences) lays out prepare_step's tokens as a decode
-    step: one row per token, its context up to its own position, its sequence's block table."""
+    step: one row per token, its context up to its own position, its sequence's block table; or, for large steps,
+    exactly as prepare_step does."""
     from minivllm.engine.batch_builder import BlockTables, prepare_step, prepare_verify
     from minivllm.engine.scheduler import StepPlan
     from minivllm.engine.sequence import Sequence
@@ -296,7 +297,8 @@ def test_verify_inputs_are_a_decode_step_of_the_prompt_chunk_tokens():
         plan = StepPlan.of(seqs, [1 + len(g) for g in guesses], [], spec_token_ids=guesses)
         assert not plan.num_prefill_tokens
         expected, got = prepare_step(plan, 4), prepare_verify(plan, 4, BlockTables(12, batch))
-        for name in ("input_ids", "positions", "slot_mapping", "logits_indices", "seq_ids", "draft_token_ids"):
+        fields = ("input_ids", "positions", "slot_mapping", "logits_indices", "seq_ids", "draft_token_ids")
+        for name in fields:
             assert np.array_equal(getattr(got, name), getattr(expected, name)), name
         rows = np.repeat(np.arange(batch), np.diff(expected.cu_seqlens_q))  # each token's sequence
         assert np.array_equal(got.context_lens, got.positions + 1)
@@ -305,3 +307,8 @@ def test_verify_inputs_are_a_decode_step_of_the_prompt_chunk_tokens():
         assert np.array_equal(got.block_tables[:, :12], expected.block_tables[rows, :12])
         assert got.is_decode_only and got.max_seqlen_k == expected.max_seqlen_k
         assert got.num_draft_tokens == expected.num_draft_tokens
+        chunks = prepare_verify(plan, 4, BlockTables(12, batch), as_decode=False)  # as prepare_step lays them out
+        for name in (*fields, "cu_seqlens_q", "cu_seqlens_k", "context_lens"):
+            assert np.array_equal(getattr(chunks, name), getattr(expected, name)), name
+        assert np.array_equal(chunks.block_tables[:, :12], expected.block_tables[:, :12])
+        assert (chunks.max_seqlen_q, chunks.max_seqlen_k) == (expected.max_seqlen_q, expected.max_seqlen_k)

@@ -66,6 +66,20 @@ def test_greedy_outputs_match_the_engine_without_speculation(name):
         assert stats.num_steps < len(PROMPTS) * GREEDY.max_tokens // 2 + 1  # fewer steps than tokens per request
 
 
+def test_verify_steps_laid_out_as_prompt_chunks_give_the_same_tokens(monkeypatch):
+    "Verify steps of more rows than VERIFY_DECODE_MAX_ROWS are laid out as prompt chunks: the same greedy tokens."
+    import minivllm.engine.batch_builder as bb
+
+    plain, _ = run(PROMPTS, GREEDY, speculative=False)
+    monkeypatch.setattr(bb, "VERIFY_DECODE_MAX_ROWS", 0)
+    built = []
+    prepare = bb.prepare_verify
+    monkeypatch.setattr(bb, "prepare_verify", lambda *a: built.append(a[-1]) or prepare(*a))
+    spec, engine = run(PROMPTS, GREEDY)
+    assert completions(spec) == completions(plain)
+    assert built and not any(built) and engine.stats.num_spec_accepted_tokens > 0
+
+
 def test_max_tokens_cut_inside_accepted_runs():
     params = [dataclasses.replace(GREEDY, max_tokens=m) for m in range(1, 25)]
     prompts = [PROMPTS[0]] * len(params)

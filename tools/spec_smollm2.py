@@ -174,7 +174,7 @@ def main() -> None:
     path, out_path = sys.argv[1], sys.argv[2]
     device = sys.argv[3] if len(sys.argv) > 3 else "cuda"
     res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "configs": CONFIGS}
-    kw = dict(max_model_len=1024, device=device) | ({"gpu_memory_utilization": 0.2} if device == "cuda" else {})
+    kw = dict(max_model_len=1024, device=device) | ({"num_kvcache_blocks": 1024} if device == "cuda" else {})
     llms = {m: LLM(path, speculative_config=CONFIGS[m], **kw) for m in MODES}
     params = SamplingParams(temperature=0.0, max_tokens=256)
     timing, texts = {}, {}

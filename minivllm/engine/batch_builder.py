@@ -45,6 +45,7 @@ def seq_ids(seqs: list[Sequence]) -> np.ndarray:
 __all__ = [
     "NO_PREFIX",
     "NO_BATCH",
+    "VERIFY_DECODE_MAX_ROWS",
     "block_table_array",
     "cumsum0",
     "prompt_logprob_positions",
@@ -192,10 +193,10 @@ def prepare_decode(
     )
 
 
-def prepare_verify(plan: StepPlan, block_size: int, tables: BlockTables) -> StepInputs:
-    """A speculative step of decodes only (no prompt tokens), as a decode step of one row per token (deep dive 10):
-    each sequence feeds its last token and its guesses, each row sees the cache up to its own position (its
-    sequence's block table, repeated), and each row becomes logits. No loop over the sequences."""
+def prepare_verify(plan: StepPlan, block_size: int, tables: BlockTables, as_decode: bool = True) -> StepInputs:
+    """A speculative step of decodes only (no prompt tokens), without a loop over the sequences: each feeds its last
+    token and its guesses, and each of those rows becomes logits. `as_decode`: a decode step of one row per token
+    (deep dive 10), each seeing the cache up to its own position; else laid out as `prepare_step` lays out chunks."""
     seqs, guesses = plan.seqs, plan.spec_token_ids
     n = len(seqs)
     counts = np.fromiter(map(len, guesses), dtype=np.int64, count=n)
@@ -205,9 +206,9 @@ def prepare_verify(plan: StepPlan, block_size: int, tables: BlockTables) -> Step
     seq = np.repeat(np.arange(n), rows)
     last = np.fromiter((len(s.token_ids) - 1 for s in seqs), dtype=np.int64, count=n)  # the last token's position
     positions = last[seq] + np.arange(total) - cu_q[:-1].astype(np.int64)[seq]
-    block_tables = tables.array(seqs)[seq]
-    blocks = block_tables[np.arange(total), positions // block_size].astype(np.int64)
-    context_lens = (positions + 1).astype(np.int32)
+    block_tables = tables.array(seqs)[seq] if as_decode else tables.array(seqs)  # (as a decode: a row per token)
+    blocks = block_tables[np.arange(total) if as_decode else seq, positions // block_size].astype(np.int64)
+    context_lens = (positions + 1 if as_decode else last + rows).astype(np.int32)
     tokens = chain.from_iterable(chain((s.token_ids[-1],), g) for s, g in zip(seqs, guesses))
     return StepInputs(
         input_ids=np.fromiter(tokens, dtype=np.int64, count=total),
@@ -215,12 +216,12 @@ def prepare_verify(plan: StepPlan, block_size: int, tables: BlockTables) -> Step
         slot_mapping=blocks * block_size + positions % block_size,
         logits_indices=np.arange(total, dtype=np.int64),
         seq_ids=np.repeat(tables.batch(seqs).ids, rows),
-        cu_seqlens_q=np.arange(total + 1, dtype=np.int32),
+        cu_seqlens_q=np.arange(total + 1, dtype=np.int32) if as_decode else cu_q,
         cu_seqlens_k=cumsum0(context_lens),
         context_lens=context_lens,
         block_tables=block_tables,
         shared_prefix_len=NO_PREFIX,
-        max_seqlen_q=1,
+        max_seqlen_q=1 if as_decode else int(rows.max()),
         max_seqlen_k=int(context_lens.max()),
         num_draft_tokens=counts.tolist(),
         draft_token_ids=np.fromiter(chain.from_iterable(guesses), dtype=np.int64, count=int(counts.sum())),
@@ -228,6 +229,9 @@ def prepare_verify(plan: StepPlan, block_size: int, tables: BlockTables) -> Step
 
 
 # %% ../../notebooks/09_model_runner.ipynb #7fe863bb
+VERIFY_DECODE_MAX_ROWS = 32  # more verify rows than this read each sequence's K/V once per row: as prompt chunks
+
+
 class BatchBuilder:
     "StepPlan -> StepInputs, for one engine: its block size, its block-table rows, and whether it may cascade."
 
@@ -237,7 +241,8 @@ class BatchBuilder:
 
     def build(self, plan: StepPlan) -> StepInputs:
         if plan.spec_token_ids is not None and not plan.num_prefill_tokens:  # decodes verifying guesses (deep dive 10)
-            return prepare_verify(plan, self.block_size, self.tables)
+            as_decode = sum(plan.num_new_tokens) <= VERIFY_DECODE_MAX_ROWS
+            return prepare_verify(plan, self.block_size, self.tables, as_decode)
         if not plan.is_decode_only or plan.num_prefill_tokens:
             return prepare_step(plan, self.block_size)
         step = prepare_decode(plan.seqs, self.block_size, self.tables, plan.ahead_rows)
