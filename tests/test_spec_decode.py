@@ -218,18 +218,20 @@ def test_runs_on_cuda_tensors(target_and_draft):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_verify_steps_replay_cuda_graphs_with_the_tokens_of_eager_steps(monkeypatch):
-    "On a GPU, verify steps replay the decode graphs, and greedy outputs match eager speculation and plain decoding."
+    """On a GPU, verify steps replay the decode graphs (or, laid out as prompt chunks, the mixed graphs), and greedy
+    outputs match eager speculation and plain decoding."""
+    import minivllm.engine.batch_builder as bb
     from minivllm import LLM, TINY_DRAFT_PATH, TINY_MODEL_PATH, SamplingParams
-    from minivllm.engine.cuda_graph import CUDAGraphRunner
+    from minivllm.engine.cuda_graph import CUDAGraphRunner, MixedGraphRunner
 
-    replays = []
-    replay = CUDAGraphRunner.replay
+    replays = {CUDAGraphRunner: [], MixedGraphRunner: []}
+    for cls in replays:
 
-    def counted(self, step, *args):
-        replays.append(step.num_draft_tokens is not None)
-        return replay(self, step, *args)
+        def counted(self, step, *args, cls=cls, replay=cls.replay):
+            replays[cls].append(step.num_draft_tokens is not None)
+            return replay(self, step, *args)
 
-    monkeypatch.setattr(CUDAGraphRunner, "replay", counted)
+        monkeypatch.setattr(cls, "replay", counted)
     prompts = ["a b c a b c a b c a b c", "def f(x):\n    return x\n\ndef f(x):\n", "hello", [7, 8, 9, 7, 8, 9, 7]]
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -240,7 +242,10 @@ def test_verify_steps_replay_cuda_graphs_with_the_tokens_of_eager_steps(monkeypa
         ("ngram", ngram, False),
         ("eager", ngram, True),
         ("draft", draft, False),
+        ("chunks", ngram, False),
     ]:
+        if name == "chunks":  # every verify step laid out as prompt chunks
+            monkeypatch.setattr(bb, "VERIFY_DECODE_MAX_ROWS", 0)
         with LLM(
             TINY_MODEL_PATH,
             device="cuda",
@@ -252,8 +257,8 @@ def test_verify_steps_replay_cuda_graphs_with_the_tokens_of_eager_steps(monkeypa
             runs[name] = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy, use_tqdm=False)]
             if spec is not None:
                 assert llm.llm_engine.stats.num_spec_accepted_tokens > 0
-    assert runs["ngram"] == runs["plain"] and runs["eager"] == runs["plain"] and runs["draft"] == runs["plain"]
-    assert any(replays)  # (verify steps among the decode graphs' replays)
+    assert all(runs[name] == runs["plain"] for name in ("ngram", "eager", "draft", "chunks"))
+    assert any(replays[CUDAGraphRunner]) and any(replays[MixedGraphRunner])  # (verify steps among the replays)
 
 
 def test_greedy_verification_on_the_host_matches_rejection_sampling():
