@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from minivllm import LLM, SamplingParams
 from minivllm.bench import environment, random_qwen3_folder
+from minivllm.bench.card import H200_FLOPS, card_line, measure_card
 from minivllm.engine.step_inputs import StepInputs
 
 PHASES = [  # (label, owner, attribute): the host work of one decode step, phase by phase
@@ -103,6 +104,8 @@ def main() -> None:
     ap.add_argument("--attention-backend", choices=["torch", "triton", "flash_attn"], default=None)
     ap.add_argument("--out", default=None, help="write the decode step's kernels (per step) to this JSON file")
     args = ap.parse_args()
+    peaks = measure_card()  # the bound at the card's own matrix rate (and, for comparison, at the H200's)
+    print(card_line(peaks))
     model = args.model or random_qwen3_folder("/tmp/minivllm-qwen3-0.6b-random")
     llm = LLM(
         model,
@@ -126,17 +129,20 @@ def main() -> None:
         torch.cuda.synchronize()
     prefill_steps, prompt_lens = 1, prefill_composition(engine)
     events, prefill_us = prof.key_averages(), sum(t for _, t in kernel_totals(prof).values())
-    bound_ms = prefill_bound_ms(engine, prompt_lens)
+    bound_ms, h200_ms = (prefill_bound_ms(engine, prompt_lens, f) for f in (peaks["flops"], H200_FLOPS))
     print(
         f"one prefill step ({sum(prompt_lens)} tokens of {len(prompt_lens)} prompts): GPU kernels "
-        f"{prefill_us / 1e3:.2f} ms against {bound_ms:.2f} ms for its matrix products and attention at "
-        f"{FLOPS / 1e12:.0f} TFLOP/s = {prefill_us / 1e3 / bound_ms:.2f}x"
+        f"{prefill_us / 1e3:.2f} ms against {bound_ms:.2f} ms for its matrix products and attention at the measured "
+        f"{peaks['flops'] / 1e12:.0f} TFLOP/s = {prefill_us / 1e3 / bound_ms:.2f}x ({h200_ms:.2f} ms at the H200's "
+        f"{H200_FLOPS / 1e12:.0f}: {prefill_us / 1e3 / h200_ms:.2f}x)"
     )
     prefill = dict(
         tokens=sum(prompt_lens),
         prompts=len(prompt_lens),
         gpu_ms=prefill_us / 1e3,
         bound_ms=bound_ms,
+        h200_bound_ms=h200_ms,
+        peaks=peaks,
         kernels=kernel_rows(prof, 1),
     )
     print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
@@ -185,24 +191,21 @@ def main() -> None:
     llm.close()
 
 
-FLOPS = 790e12  # the H200's dense bfloat16 matrix rate, as the bench's roofline takes it (--flops there)
-
-
 def prefill_composition(engine) -> list[int]:
     "The prompt tokens each sequence computed in the step just run (all prompts: the first step of a fresh batch)."
     return [s.num_computed_tokens for s in engine.scheduler.running if s.num_computed_tokens]
 
 
-def prefill_bound_ms(engine, prompt_lens: list[int]) -> float:
+def prefill_bound_ms(engine, prompt_lens: list[int], flops: float) -> float:
     """Milliseconds for a prefill step's matrix products (2 FLOPs per weight per token, every layer, the LM head for
-    one row per prompt) and causal attention (QK^T and PV over the positions each token sees) at FLOPS."""
+    one row per prompt) and causal attention (QK^T and PV over the positions each token sees) at `flops` FLOP/s."""
     cfg, model = engine.config.hf_config, engine.executor.runner.model
     layer_weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and ".layers." in n)
     head = cfg.vocab_size * cfg.hidden_size
     pairs = sum(n * (n + 1) // 2 for n in prompt_lens)
     attention = 4 * pairs * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
-    flops = 2 * sum(prompt_lens) * layer_weights + 2 * len(prompt_lens) * head + attention
-    return flops / FLOPS * 1e3
+    total = 2 * sum(prompt_lens) * layer_weights + 2 * len(prompt_lens) * head + attention
+    return total / flops * 1e3
 
 
 def kernel_events(prof) -> list:
