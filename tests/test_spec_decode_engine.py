@@ -18,6 +18,7 @@ import pytest
 from _spec_prompts import PROMPTS, SPEC
 from prometheus_client import CollectorRegistry
 
+import minivllm.spec_decode.speculator as speculator
 from minivllm import LLM, TINY_DRAFT_PATH, TINY_MODEL_PATH, SamplingParams
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.async_llm import AsyncLLM
@@ -80,6 +81,36 @@ def test_verify_steps_laid_out_as_prompt_chunks_give_the_same_tokens(monkeypatch
     assert built and not any(built) and engine.stats.num_spec_accepted_tokens > 0
 
 
+def test_requests_whose_guesses_keep_failing_back_off(monkeypatch):
+    """Every guess rejected: a request verifies guesses at its first two decodes, then after 8, 16, 32 ... tokens,
+    its other steps planned ahead as plain decoding's; the next request starts where the engine's misses stand."""
+    import numpy as np
+
+    import minivllm.spec_decode.verify as verify
+    from minivllm.spec_decode.ngram import NgramProposer
+
+    def always_three(self, histories, max_k=None):  # three guesses for every decode (the last token, repeated)
+        return [[int(h[-1])] * min(3, m) for h, m in zip(histories, max_k)]
+
+    accept = verify.accept_greedy
+    monkeypatch.setattr(NgramProposer, "propose", always_three)
+    monkeypatch.setattr(verify, "accept_greedy", lambda d, c, t: accept(np.full_like(d, -1), c, t))
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    plain, _ = run(PROMPTS[:1], params, speculative=False)
+    llm = LLM(TINY_MODEL_PATH, device="cpu", speculative_config=SPEC)
+    proposals = []
+    propose = speculator.Speculator.propose
+    monkeypatch.setattr(speculator.Speculator, "propose", lambda self: proposals.append(1) or propose(self))
+    for request in range(2):
+        trace = llm.llm_engine.start_trace()
+        out = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        assert completions(out) == completions(plain)
+        verified = [i for i, r in enumerate(r for r in trace if r.is_decode_only) if r.num_emitted is not None]
+        assert verified == ([0, 1, 10, 27, 60] if request == 0 else [0])  # (decode steps 0-63: tokens 1-64)
+    assert llm.llm_engine.stats.num_spec_accepted_tokens == 0
+    assert len(proposals) < 20  # (between guesses, steps are planned ahead: no proposal round each)
+
+
 def test_max_tokens_cut_inside_accepted_runs():
     params = [dataclasses.replace(GREEDY, max_tokens=m) for m in range(1, 25)]
     prompts = [PROMPTS[0]] * len(params)
@@ -90,7 +121,9 @@ def test_max_tokens_cut_inside_accepted_runs():
     assert engine.stats.num_spec_accepted_tokens > 0
 
 
-def test_stop_tokens_eos_and_stop_strings_inside_accepted_runs():
+def test_stop_tokens_eos_and_stop_strings_inside_accepted_runs(monkeypatch):
+    # (its requests come one after another and most of the tiny model's guesses fail: the engine would stop guessing)
+    monkeypatch.setattr(speculator, "BACKOFF_AFTER", 10**9)
     reference, _ = run(PROMPTS[:1], GREEDY, speculative=False)
     tokens, text = reference[0].outputs[0].token_ids, reference[0].outputs[0].text
     firsts = [t for i, t in enumerate(tokens) if 2 <= i == tokens.index(t)]  # tokens first seen after two others

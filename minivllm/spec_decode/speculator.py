@@ -17,13 +17,17 @@ from .draft import DraftModelProposer
 from .ngram import NgramProposer
 
 # %% auto #0
-__all__ = ["Speculator"]
-
+__all__ = ["BACKOFF_AFTER", "BACKOFF_FIRST", "BACKOFF_MAX", "Speculator"]
 
 # %% ../../notebooks/deep_dives/10_speculative_decoding.ipynb #5f570f0d
+BACKOFF_AFTER = 2  # verify steps in a row that keep no guess before a request stops guessing for a while:
+BACKOFF_FIRST, BACKOFF_MAX = 8, 256  # 8 tokens after the 2nd, 16 after the 3rd, ... at most 256
+
+
 class Speculator:
     """The engine's side of speculative decoding: each running decode's proposals before a step is scheduled, and a
-    speculative step's emitted tokens booked one by one, up to the first stop. Counts acceptance in `stats`."""
+    speculative step's emitted tokens booked one by one, up to the first stop. Counts acceptance in `stats`; a request
+    whose guesses keep failing backs off (the section "When the guesses keep failing")."""
 
     def __init__(
         self,
@@ -35,6 +39,11 @@ class Speculator:
     ):
         "`engine`: the target's configuration, which a draft model needs (its device, dtype and vocabulary)."
         self.config, self.stats, self.scheduler, self.outputs = config, stats, scheduler, outputs
+        self.misses: dict[int, int] = {}  # seq_id -> its verify steps in a row that kept no guess
+        self.resume_at: dict[int, int] = {}  # seq_id -> the length at which it guesses again
+        self.engine_misses = (
+            0  # the engine's verify steps in a row that kept no guess: a new request's count starts there
+        )
         if config.method == "ngram":
             self.proposer = NgramProposer(config)
         else:  # the draft's cache: as many blocks as the target's (its K/V per block is a fraction of the target's)
@@ -47,7 +56,8 @@ class Speculator:
         for seq in scheduler.running:
             seq.spec_token_ids = []
             left = min(seq.max_num_tokens, scheduler.max_model_len) - seq.num_tokens - 1  # after the bonus token
-            if seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens and left > 0:
+            decoding = seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+            if decoding and left > 0 and seq.num_tokens >= self.resume_at.get(seq.seq_id, 0):
                 decodes.append(seq)
                 room.append(left)
         histories = [s.token_ids for s in decodes]
@@ -59,10 +69,13 @@ class Speculator:
         for seq, guesses in zip(decodes, proposals):
             seq.spec_token_ids = guesses
 
-    @staticmethod
-    def may_plan_ahead(plan: StepPlan) -> bool:
-        "Plan the next step ahead only after a step planned now that found nothing to verify: then propose again."
-        return plan.spec_token_ids is None and plan.ahead_rows is None
+    def may_plan_ahead(self, plan: StepPlan) -> bool:
+        """Plan the next step ahead of a step that verifies nothing: after one planned now (then propose again), and
+        after one planned ahead while every sequence in it backs off past the next step."""
+        if plan.spec_token_ids is not None:
+            return False
+        resume_at = self.resume_at.get
+        return plan.ahead_rows is None or all(s.num_tokens + 1 < resume_at(s.seq_id, 0) for s in plan.seqs)
 
     # %% ../../notebooks/deep_dives/10_speculative_decoding.ipynb #3f92d328
     def process(
@@ -75,8 +88,9 @@ class Speculator:
         """A collected speculative step, for `Scheduler.postprocess` and `OutputProcessor.process` both: prompt chunks
         advance, each sampled sequence takes its tokens one at a time until one stops it (eos, a stop token or string,
         a length), and the cache keeps what every token but its last now has. Returns the finished, outputs and done."""
-        scheduler, outputs = self.scheduler, self.outputs
+        scheduler, outputs, stats = self.scheduler, self.outputs, self.stats
         finished, booked, rows = [], [], iter(zip(emitted, logprobs or itertools.repeat(None)))
+        drafts, accepted = stats.num_spec_drafts, stats.num_spec_accepted_tokens
         for seq, n, sample, guesses in zip(plan.seqs, plan.num_new_tokens, plan.is_sampled, plan.spec_token_ids):
             tokens, token_logprobs = next(rows) if sample else ([], None)
             if seq.is_finished:  # aborted while the step ran
@@ -84,7 +98,7 @@ class Speculator:
             if not sample:  # a prompt chunk
                 self._advance(seq, seq.num_computed_tokens + n)
                 continue
-            self._count(len(guesses), len(tokens) - 1)
+            self._count(seq, len(guesses), len(tokens) - 1)
             self._advance(seq, seq.num_tokens + len(tokens) - 1, tokens)
             req = outputs.by_seq.get(seq.seq_id)
             for j, token in enumerate(tokens):
@@ -100,6 +114,8 @@ class Speculator:
             self.stats.num_generated_tokens += j  # (besides the one per sampled sequence the engine counts)
             if req is not None:
                 booked.append(req)
+        if stats.num_spec_drafts > drafts:  # a step that verified guesses: did it keep any?
+            self.engine_misses = 0 if stats.num_spec_accepted_tokens > accepted else self.engine_misses + 1
         return finished, *self._outputs(booked)
 
     def _advance(self, seq: Sequence, computed: int, tokens: list[int] = ()) -> None:
@@ -111,11 +127,20 @@ class Speculator:
             self.scheduler.block_manager.commit(seq, before // bs)
             del seq.token_ids[len(seq.token_ids) - len(tokens) :]
 
-    def _count(self, num_draft_tokens: int, num_accepted: int) -> None:
-        if num_draft_tokens:
-            self.stats.num_spec_drafts += 1
-            self.stats.num_spec_draft_tokens += num_draft_tokens
-            self.stats.num_spec_accepted_tokens += num_accepted
+    def _count(self, seq: Sequence, num_draft_tokens: int, num_accepted: int) -> None:
+        "Acceptance into `stats`; a verify step that kept no guess makes its request wait before it guesses again."
+        if not num_draft_tokens:
+            return
+        self.stats.num_spec_drafts += 1
+        self.stats.num_spec_draft_tokens += num_draft_tokens
+        self.stats.num_spec_accepted_tokens += num_accepted
+        if num_accepted:  # a guess kept: guess at every step again
+            self.misses.pop(seq.seq_id, None)
+            return
+        misses = self.misses[seq.seq_id] = self.misses.get(seq.seq_id, self.engine_misses) + 1
+        if misses >= BACKOFF_AFTER:
+            wait = min(BACKOFF_FIRST << min(misses - BACKOFF_AFTER, 16), BACKOFF_MAX)
+            self.resume_at[seq.seq_id] = seq.num_tokens + 1 + wait  # (its one new token is booked after this)
 
     # %% ../../notebooks/deep_dives/10_speculative_decoding.ipynb #864b3614
     def _outputs(self, booked: list[Request]) -> tuple[list[RequestOutput], list[Request]]:
@@ -153,6 +178,8 @@ class Speculator:
         return torch.cat(rows)
 
     def free(self, seq_id: int) -> None:
-        "A request ended: the draft model's K/V of it goes (the n-gram proposer keeps nothing)."
+        "A request ended: its back-off goes, and the draft model's K/V of it (the n-gram proposer keeps nothing)."
+        self.misses.pop(seq_id, None)
+        self.resume_at.pop(seq_id, None)
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.release(seq_id)
