@@ -1,7 +1,8 @@
 """Speculative decoding on a GPU with the tiny model (issue 51): greedy outputs with n-gram and draft-model speculation
 token-identical to plain decoding (float32 and bfloat16), acceptance, and single-stream / batch-8 output tok/s of four
-engines alternating, medians of 3: plain, n-gram, n-gram forced to reject every guess (k guesses padded onto every
-step, none accepted: the pure cost of trying), and the draft model.
+engines alternating, medians of 3: plain, n-gram, n-gram forced to reject every guess (k guesses whenever the engine
+asks, none accepted: a request backs off after two fruitless verify steps in a row), the same verifying at every step
+(no backing off: the cost of a verify step), and the draft model.
 
     python tools/spec_bench.py OUT.json
 """
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 import minivllm.spec_decode.rejection as R
+import minivllm.spec_decode.speculator as speculator
 import minivllm.spec_decode.verify as V
 from minivllm import LLM, TINY_DRAFT_PATH, TINY_MODEL_PATH, SamplingParams
 from minivllm.spec_decode.ngram import NgramProposer
@@ -23,7 +25,8 @@ sys.path.insert(0, "tests")
 from _spec_prompts import PROMPTS, SPEC  # noqa: E402
 
 DRAFT = {"method": "draft_model", "model": TINY_DRAFT_PATH, "num_speculative_tokens": 3}
-CONFIGS = {"plain": None, "ngram": SPEC, "forced_reject": SPEC, "draft": DRAFT}
+CONFIGS = {"plain": None, "ngram": SPEC, "forced_reject": SPEC, "forced_reject_always": SPEC, "draft": DRAFT}
+BACKOFF_AFTER = speculator.BACKOFF_AFTER
 res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
 greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 for dtype in ("float32", "bfloat16"):
@@ -69,37 +72,35 @@ def reject_greedy(d, c, t):
     return orig_greedy(np.full_like(d, -1), c, t)
 
 
-def forced(on):
+def forced(mode):
+    on = mode.startswith("forced_reject")
     NgramProposer.propose, R._accept, V.accept_greedy = (
         (always_k, reject_all, reject_greedy) if on else (orig_propose, orig_accept, orig_greedy)
     )
+    speculator.BACKOFF_AFTER = 10**9 if mode == "forced_reject_always" else BACKOFF_AFTER
 
 
 code = PROMPTS[2] * 3
-modes = ("plain", "ngram", "forced_reject", "draft")
-llms = {
-    m: LLM(TINY_MODEL_PATH, device="cuda", speculative_config=CONFIGS[m], gpu_memory_utilization=0.2) for m in modes
-}
+modes = ("plain", "ngram", "forced_reject", "forced_reject_always", "draft")
+llms = {m: LLM(TINY_MODEL_PATH, device="cuda", speculative_config=CONFIGS[m], num_kvcache_blocks=2048) for m in modes}
 timing = {}
 for batch in (1, 8):
     p = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     runs, toks = {m: [] for m in modes}, {}
     for m in modes:
-        forced(m == "forced_reject")
+        forced(m)
         toks[m] = [o.outputs[0].token_ids for o in llms[m].generate([code] * batch, p, use_tqdm=False)]  # warm-up
     for _ in range(3):
         for m in modes:
-            forced(m == "forced_reject")
+            forced(m)
             t = time.perf_counter()
             outs = llms[m].generate([code] * batch, p, use_tqdm=False)
             dt = time.perf_counter() - t
             runs[m].append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
-    forced(False)
+    forced("plain")
     row = {f"{m}_tok_s": statistics.median(runs[m]) for m in modes}
     row.update(runs=runs, same_tokens={m: toks[m] == toks["plain"] for m in modes})
-    row["ngram_ratio"] = row["ngram_tok_s"] / row["plain_tok_s"]
-    row["forced_reject_ratio"] = row["forced_reject_tok_s"] / row["plain_tok_s"]
-    row["draft_ratio"] = row["draft_tok_s"] / row["plain_tok_s"]
+    row.update({f"{m}_ratio": row[f"{m}_tok_s"] / row["plain_tok_s"] for m in modes[1:]})
     timing[batch] = row
     ratios = ", ".join(f"{m} {row[m + '_tok_s']:.0f} ({row[m + '_ratio']:.2f}x)" for m in modes[1:])
     print(f"batch {batch}: plain {row['plain_tok_s']:.0f} tok/s, {ratios}, same {row['same_tokens']}", flush=True)
