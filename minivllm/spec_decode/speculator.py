@@ -41,9 +41,7 @@ class Speculator:
         self.config, self.stats, self.scheduler, self.outputs = config, stats, scheduler, outputs
         self.misses: dict[int, int] = {}  # seq_id -> its verify steps in a row that kept no guess
         self.resume_at: dict[int, int] = {}  # seq_id -> the length at which it guesses again
-        self.engine_misses = (
-            0  # the engine's verify steps in a row that kept no guess: a new request's count starts there
-        )
+        self.engine_misses = 0  # the engine's fruitless verify steps in a row: where a new request's count starts
         if config.method == "ngram":
             self.proposer = NgramProposer(config)
         else:  # the draft's cache: as many blocks as the target's (its K/V per block is a fraction of the target's)
