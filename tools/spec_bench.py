@@ -11,22 +11,19 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import numpy as np
 import torch
 
-import minivllm.spec_decode.rejection as R
-import minivllm.spec_decode.speculator as speculator
-import minivllm.spec_decode.verify as V
 from minivllm import LLM, TINY_DRAFT_PATH, TINY_MODEL_PATH, SamplingParams
-from minivllm.spec_decode.ngram import NgramProposer
 
-sys.path.insert(0, "tests")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tools")]
 from _spec_prompts import PROMPTS, SPEC  # noqa: E402
+from forced_reject import forced  # noqa: E402
 
 DRAFT = {"method": "draft_model", "model": TINY_DRAFT_PATH, "num_speculative_tokens": 3}
 CONFIGS = {"plain": None, "ngram": SPEC, "forced_reject": SPEC, "forced_reject_always": SPEC, "draft": DRAFT}
-BACKOFF_AFTER = speculator.BACKOFF_AFTER
 res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
 greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 for dtype in ("float32", "bfloat16"):
@@ -51,34 +48,6 @@ for dtype in ("float32", "bfloat16"):
                     res[f"{dtype}_{m}_acceptance"],
                     flush=True,
                 )
-
-orig_propose, orig_accept = NgramProposer.propose, R._accept
-
-
-def always_k(self, histories, max_k=None):  # the real lookup, then padded to k guesses (the last token repeated)
-    caps = [self.k] * len(histories) if max_k is None else [min(self.k, m) for m in max_k]
-    out = orig_propose(self, histories, max_k)
-    return [(g + [int(h[-1])] * c)[:c] for g, h, c in zip(out, histories, caps)]
-
-
-def reject_all(*a):
-    return torch.zeros_like(orig_accept(*a))
-
-
-orig_greedy = V.accept_greedy
-
-
-def reject_greedy(d, c, t):
-    return orig_greedy(np.full_like(d, -1), c, t)
-
-
-def forced(mode):
-    on = mode.startswith("forced_reject")
-    NgramProposer.propose, R._accept, V.accept_greedy = (
-        (always_k, reject_all, reject_greedy) if on else (orig_propose, orig_accept, orig_greedy)
-    )
-    speculator.BACKOFF_AFTER = 10**9 if mode == "forced_reject_always" else BACKOFF_AFTER
-
 
 code = PROMPTS[2] * 3
 modes = ("plain", "ngram", "forced_reject", "forced_reject_always", "draft")

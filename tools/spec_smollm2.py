@@ -11,15 +11,14 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import numpy as np
 import torch
 
-import minivllm.spec_decode.rejection as R
-import minivllm.spec_decode.speculator as speculator
-import minivllm.spec_decode.verify as V
 from minivllm import LLM, SamplingParams
-from minivllm.spec_decode.ngram import NgramProposer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from forced_reject import forced  # noqa: E402
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 SPEC8 = SPEC | {"num_speculative_tokens": 8}
@@ -128,30 +127,6 @@ CHATS = [
 ]
 CONFIGS = {"plain": None, "ngram": SPEC, "ngram_k8": SPEC8, "forced_reject": SPEC, "forced_reject_always": SPEC}
 MODES = tuple(CONFIGS)
-orig_propose, orig_accept, orig_greedy = NgramProposer.propose, R._accept, V.accept_greedy
-BACKOFF_AFTER = speculator.BACKOFF_AFTER
-
-
-def always_k(self, histories, max_k=None):  # the real lookup, padded to k guesses (the last token repeated)
-    caps = [self.k] * len(histories) if max_k is None else [min(self.k, m) for m in max_k]
-    return [(g + [int(h[-1])] * c)[:c] for g, h, c in zip(orig_propose(self, histories, max_k), histories, caps)]
-
-
-def reject_all(*args):
-    return torch.zeros_like(orig_accept(*args))
-
-
-def reject_greedy(draft, counts, target):
-    return orig_greedy(np.full_like(draft, -1), counts, target)
-
-
-def forced(mode: str) -> None:
-    """Every guess rejected: k guesses whenever the engine asks for them ("forced_reject": a request backs off after
-    failing twice in a row) or at every step ("forced_reject_always": the cost of a verify step); else the engine."""
-    on = mode.startswith("forced_reject")
-    patched = (always_k, reject_all, reject_greedy) if on else (orig_propose, orig_accept, orig_greedy)
-    NgramProposer.propose, R._accept, V.accept_greedy = patched
-    speculator.BACKOFF_AFTER = 10**9 if mode == "forced_reject_always" else BACKOFF_AFTER
 
 
 def chat(llm: LLM, chats: list, params: SamplingParams, batch: int) -> list:

@@ -206,8 +206,9 @@ def prepare_verify(plan: StepPlan, block_size: int, tables: BlockTables, as_deco
     seq = np.repeat(np.arange(n), rows)
     last = np.fromiter((len(s.token_ids) - 1 for s in seqs), dtype=np.int64, count=n)  # the last token's position
     positions = last[seq] + np.arange(total) - cu_q[:-1].astype(np.int64)[seq]
-    block_tables = tables.array(seqs)[seq] if as_decode else tables.array(seqs)  # (as a decode: a row per token)
-    blocks = block_tables[np.arange(total) if as_decode else seq, positions // block_size].astype(np.int64)
+    table = tables.array(seqs)
+    blocks = table[seq, positions // block_size].astype(np.int64)
+    block_tables = table[seq] if as_decode else table  # (as a decode: a row per token)
     context_lens = (positions + 1 if as_decode else last + rows).astype(np.int32)
     tokens = chain.from_iterable(chain((s.token_ids[-1],), g) for s, g in zip(seqs, guesses))
     return StepInputs(

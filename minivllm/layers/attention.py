@@ -29,9 +29,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor | None = None  # [B] int32: KV length of each sequence after this step
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32: physical blocks, padded with -1
     shared_prefix_len: torch.Tensor | None = None  # [1] int32: a decode batch's shared prefix, read once (06)
-    verifies: bool = (
-        False  # speculative decoding's verify step: K/V past the accepted guesses is rewritten (deep dive 10)
-    )
+    verifies: bool = False  # a speculative verify step: K/V past its accepted guesses is rewritten (deep dive 10)
 
     @property
     def is_decode_only(self) -> bool:
@@ -120,9 +118,8 @@ class Attention(nn.Module):
         backend = self.backend if meta.is_decode_only else self.prefill_backend
         if k is not None:  # (None: the model wrote them already, with its norms and rotation: notebook 06)
             backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if meta.is_decode_only and not meta.verifies:
-            return backend.decode(q, self.k_cache, self.v_cache, meta, self.scale, self.kept)
-        self.kept.reset()  # a step with prompt tokens or guesses: the kept decode batch does not go on
-        if meta.is_decode_only:  # (guesses it keeps would go stale when rejected ones are written over)
-            return backend.decode(q, self.k_cache, self.v_cache, meta, self.scale)
+        if not meta.is_decode_only or meta.verifies:  # prompt tokens, or guesses whose K/V a rejection writes over:
+            self.kept.reset()  # the kept decode batch does not go on
+        if meta.is_decode_only:
+            return backend.decode(q, self.k_cache, self.v_cache, meta, self.scale, None if meta.verifies else self.kept)
         return backend.prefill(q, self.k_cache, self.v_cache, meta, self.scale)
