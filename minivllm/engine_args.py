@@ -33,6 +33,7 @@ __all__ = [
     "resolve_device",
     "resolve_dtype",
     "check_fit",
+    "default_max_num_seqs",
     "takes_engine_arguments",
 ]
 
@@ -44,7 +45,7 @@ def check_types(args: EngineArgs) -> None:
         raise TypeError(f"model must be a checkpoint folder, a GGUF file or a Hub id, got {type(args.model).__name__}")
     if args.tokenizer is not None and not isinstance(args.tokenizer, (str, os.PathLike)):
         raise TypeError(f"tokenizer must be None, a folder or a Hub id, got {type(args.tokenizer).__name__}")
-    optional = ("max_model_len", "num_kvcache_blocks")
+    optional = ("max_model_len", "max_num_seqs", "num_kvcache_blocks")
     for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "seed") + optional:
         value = getattr(args, name)
         if not (value is None and name in optional) and (isinstance(value, bool) or not isinstance(value, int)):
@@ -73,9 +74,14 @@ def check_types(args: EngineArgs) -> None:
 # %% ../notebooks/deep_dives/09_engine_config.ipynb #42acabb3
 def check_sizes(args: EngineArgs) -> None:
     "The sizes a request can get wrong on its own (those that need the model: `check_fit`, in `resolve`)."
-    _check(args.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {args.max_num_seqs}")
+    seqs = args.max_num_seqs
+    _check(seqs is None or seqs >= 1, f"max_num_seqs must be at least 1, got {seqs}")
     _check(
-        args.max_num_batched_tokens >= args.max_num_seqs,
+        args.max_num_batched_tokens >= 1,
+        f"max_num_batched_tokens must be at least 1, got {args.max_num_batched_tokens}",
+    )
+    _check(
+        seqs is None or args.max_num_batched_tokens >= seqs,
         f"max_num_batched_tokens ({args.max_num_batched_tokens}) must be at least max_num_seqs "
         f"({args.max_num_seqs}): every running sequence needs a token of budget per step",
     )
@@ -122,7 +128,7 @@ class EngineArgs:
     model: str  # a checkpoint folder, a GGUF file or a Hub id
     tensor_parallel_size: int = 1
     max_model_len: int | None = None  # None: min(4096, the model's max_position_embeddings)
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None  # None: vLLM's default for the device (`default_max_num_seqs`)
     max_num_batched_tokens: int = 16384
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # True: no CUDA graphs
@@ -202,7 +208,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             cpu_kvcache_space_gib=self.cpu_kvcache_space_gib,
             num_kvcache_blocks=self.num_kvcache_blocks,
-            max_num_seqs=self.max_num_seqs,
+            max_num_seqs=self.max_num_seqs or default_max_num_seqs(device, self.max_num_batched_tokens),
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
             async_scheduling=self.async_scheduling,
@@ -266,6 +272,15 @@ def check_fit(args: EngineArgs, hf_config: PretrainedConfig, device: str, max_mo
         device != "cuda" or tp <= torch.cuda.device_count(),
         f"tensor_parallel_size {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible",
     )
+
+
+def default_max_num_seqs(device: str, max_num_batched_tokens: int) -> int:
+    "vLLM's default batch: 1,024 sequences on a GPU of 70 GiB or more other than an A100, else 256; at most the budget."
+    big = False
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        big = props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower()
+    return min(1024 if big else 256, max_num_batched_tokens)
 
 
 # %% ../notebooks/deep_dives/09_engine_config.ipynb #3c4dc650

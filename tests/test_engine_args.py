@@ -65,3 +65,25 @@ def test_the_schedulers_options_go_by_name():
     assert not Scheduler(**limits, enable_chunked_prefill=False).enable_chunked_prefill
     with pytest.raises(TypeError):
         Scheduler(*limits.values(), None, False)
+
+
+def test_max_num_seqs_defaults_as_vllm_by_device(monkeypatch):
+    "Unset: 1,024 on a GPU of 70 GiB or more that is not an A100, else 256 (the CPU too); never above the budget."
+    from minivllm.engine_args import default_max_num_seqs
+
+    assert EngineArgs(TINY_MODEL_PATH, device="cpu").resolve().max_num_seqs == 256
+    assert EngineArgs(TINY_MODEL_PATH, device="cpu", max_num_batched_tokens=100).resolve().max_num_seqs == 100
+    assert EngineArgs(TINY_MODEL_PATH, device="cpu", max_num_seqs=8).resolve().max_num_seqs == 8
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for name, gib, want in (
+        ("NVIDIA H100 80GB HBM3", 79.2, 1024),
+        ("NVIDIA H200", 139.8, 1024),
+        ("NVIDIA A100-SXM4-80GB", 79.2, 256),
+        ("NVIDIA L4", 22.0, 256),
+    ):
+        props = type("Props", (), {"name": name, "total_memory": int(gib * 2**30)})()
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, props=props: props)
+        assert default_max_num_seqs("cuda", 16384) == want, name
+        assert default_max_num_seqs("cuda", 512) == min(want, 512), name
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be at least 1"):
+        EngineArgs(TINY_MODEL_PATH, max_num_batched_tokens=0)

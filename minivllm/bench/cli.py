@@ -111,7 +111,7 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     for flag, default in (
         ("--block-size", 16),
-        ("--max-num-seqs", 256),
+        ("--max-num-seqs", None),  # None: the engine's default for the card (1,024 on an H100 or H200)
         ("--max-num-batched-tokens", 16384),
         ("--max-model-len", 4096),
     ):

@@ -110,6 +110,7 @@ def run_minivllm(
             dict(
                 preemptions=stats.num_preemptions,
                 steps=llm.llm_engine.stats.num_steps,
+                max_num_seqs=llm.llm_engine.config.max_num_seqs,  # (the engine's default resolved, if not given)
                 cached_prompt_tokens=sum(o.num_cached_tokens for o in outputs),
                 engine_kwargs={k: v for k, v in engine_kwargs.items()},
                 attention_backends=dict(

@@ -9,6 +9,8 @@ from ..kernels.cascade_plan import use_cascade
 from ..layers.attention import AttentionMetadata
 from .step_inputs import DeviceStep, StepInputs, StepSizes, numpy_views, step_nbytes, tensor_views
 
+GRAPH_MAX_BATCH_SIZE = 512  # vLLM's largest recorded batch: larger decode steps run eagerly
+
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
     return [b for b in (1, 2, 4, 8) if b < max_batch_size] + list(range(16, max_batch_size, 16)) + [max_batch_size]
@@ -61,6 +63,7 @@ class GraphInputs:
 
 # %% auto #0
 __all__ = [
+    "GRAPH_MAX_BATCH_SIZE",
     "MIXED_GRAPH_MAX_TOKENS",
     "graph_batch_sizes",
     "GraphInputs",
@@ -85,6 +88,7 @@ class CUDAGraphRunner:
         device: torch.device,
         cascade: bool = False,
     ):
+        max_batch_size = min(max_batch_size, GRAPH_MAX_BATCH_SIZE)
         self.batch_sizes = graph_batch_sizes(max_batch_size)
         self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
         self.inputs = GraphInputs(max_batch_size, -(-max_model_len // block_size), device)
