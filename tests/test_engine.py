@@ -87,7 +87,7 @@ def test_prefix_cache_is_hit_and_outputs_do_not_change(tiny_reference):
 
 def test_the_cpu_runner_packs_every_linear_weight():
     "On a CPU the runner gives each linear layer and the LM head oneDNN's copy (the greedy tests above run on it)."
-    with LLM(TINY_MODEL_PATH, max_model_len=128) as llm:
+    with LLM(TINY_MODEL_PATH, max_model_len=128, device="cpu") as llm:
         slots = [m for m in llm.llm_engine.executor.runner.model.modules() if hasattr(m, "packed_weight")]
         assert len(slots) == 4 * 8 + 1 and all(m.packed_weight is not None for m in slots)
 

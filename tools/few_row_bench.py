@@ -1,0 +1,231 @@
+"""Few-row products y = x W^T, x [M, K] for M = 1 to 32, on Qwen3-0.6B's layer shapes: cuBLAS against Triton kernels.
+
+    python tools/few_row_bench.py OUT.json          # on a GPU: every candidate, CUDA graphs of 24 weight copies
+    TRITON_INTERPRET=1 python tools/few_row_bench.py x.json   # on a CPU: the kernels against x @ W^T
+
+Candidates: notebook 06's `gemv` (one row); `rows`, gemv's loop over rows (each weight tile loaded once for all M
+rows, CUDA cores); `dot`, tensor-core tiles with M padded to 16 (and split-K by atomic adds); each with and without
+early launch (PDL). The weights rotate through 24 copies, more than the L2 cache holds, as a model's layers do. The
+question it answers: would a few-row kernel of our own beat cuBLAS at batch 2 to 32 (it does not by much: about 6 us a
+product at any size, a floor of launch and memory latency)."""
+
+import json
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels.common import pdl_launch_next, pdl_wait
+
+
+@triton.jit
+def _rows_kernel(
+    y_ptr,
+    x_ptr,
+    w_ptr,
+    M,
+    N,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pdl_launch_next(PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w = tl.load(
+        w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :], other=0.0
+    ).to(tl.float32)
+    pdl_wait(PDL)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + k
+        if k0 > 0:
+            w = tl.load(
+                w_ptr + n[:, None].to(tl.int64) * K + kk[None, :], mask=(n < N)[:, None] & (kk < K)[None, :], other=0.0
+            ).to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            x = tl.load(x_ptr + m * K + kk, mask=(kk < K) & (m < M), other=0.0).to(tl.float32)
+            part = tl.sum(w * x[None, :], axis=1)
+            acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+    tl.store(
+        y_ptr + rows[:, None] * N + n[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rows < M)[:, None] & (n < N)[None, :],
+    )
+
+
+@triton.jit
+def _dot_kernel(
+    y_ptr,
+    x_ptr,
+    w_ptr,
+    M,
+    N,
+    K,
+    K_SPLIT,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pdl_launch_next(PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, BLOCK_M)
+    start = tl.program_id(1) * K_SPLIT
+    kk = start + k
+    w = tl.load(w_ptr + n[None, :].to(tl.int64) * K + kk[:, None], mask=(n < N)[None, :] & (kk < K)[:, None], other=0.0)
+    pdl_wait(PDL)
+    x = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=(rows < M)[:, None] & (kk < K)[None, :], other=0.0)
+    acc = tl.dot(x, w)
+    for k0 in range(start + BLOCK_K, start + K_SPLIT, BLOCK_K):
+        kk = k0 + k
+        w = tl.load(
+            w_ptr + n[None, :].to(tl.int64) * K + kk[:, None], mask=(n < N)[None, :] & (kk < K)[:, None], other=0.0
+        )
+        x = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=(rows < M)[:, None] & (kk < K)[None, :], other=0.0)
+        acc = tl.dot(x, w, acc)
+    mask = (rows < M)[:, None] & (n < N)[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptr + rows[:, None] * N + n[None, :], acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(y_ptr + rows[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rows_mm(x, w, bn=4, bk=1024, warps=4, pdl=False):
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _rows_kernel[(triton.cdiv(N, bn),)](
+        y,
+        x,
+        w,
+        M,
+        N,
+        K,
+        BLOCK_M=triton.next_power_of_2(M),
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=warps,
+        PDL=pdl,
+        launch_pdl=pdl,
+    )
+    return y
+
+
+def dot_mm(x, w, bn=32, bk=128, split=1, stages=4, warps=4, pdl=False):
+    M, K = x.shape
+    N = w.shape[0]
+    bm = max(16, triton.next_power_of_2(M))
+    k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
+    if split > 1:
+        y = torch.zeros(M, N, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _dot_kernel[(triton.cdiv(N, bn), triton.cdiv(K, k_split))](
+        y,
+        x,
+        w,
+        M,
+        N,
+        K,
+        k_split,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        ATOMIC=split > 1,
+        num_warps=warps,
+        num_stages=stages,
+        PDL=pdl,
+        launch_pdl=pdl,
+    )
+    return y if split == 1 else y.to(x.dtype)
+
+
+SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+
+
+def candidates(x: torch.Tensor) -> dict:
+    "Every kernel and tile choice for the rows `x`, as functions of the weight."
+    from minivllm.kernels.gemv import gemv
+
+    m = x.shape[0]
+    cands = {"cublas": lambda w, x=x: torch.nn.functional.linear(x, w)}
+    if m == 1:
+        cands["gemv"] = lambda w, x=x: gemv(x, w)
+    for pdl in (False, True):
+        tag = "_pdl" if pdl else ""
+        for bn, bk in ((2, 1024), (4, 1024), (4, 512), (8, 512)) if m <= 16 else ():
+            cands[f"rows_n{bn}_k{bk}{tag}"] = lambda w, x=x, bn=bn, bk=bk, pdl=pdl: rows_mm(x, w, bn, bk, pdl=pdl)
+        for bn in (16, 32, 64):
+            for bk in (128, 256):
+                for st in (2, 4):
+                    name = f"dot_n{bn}_k{bk}_s{st}{tag}"
+                    cands[name] = lambda w, x=x, bn=bn, bk=bk, st=st, pdl=pdl: dot_mm(x, w, bn, bk, 1, st, pdl=pdl)
+    return cands
+
+
+def time_in_graph(fn, weights: list[torch.Tensor]) -> float:
+    "Microseconds per product: one CUDA graph over every weight copy, replayed by Triton's do_bench."
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        for w in weights:
+            fn(w)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=40) / len(weights) * 1000
+
+
+def check_on_cpu() -> None:
+    "The kernels against x @ W^T in Triton's interpreter: the largest difference for each."
+    for m in (1, 3, 5, 8, 16, 20):
+        x, w = torch.randn(m, 96), torch.randn(80, 96)
+        ref = x @ w.T
+        errors = [
+            (f(x, w) - ref).abs().max().item()
+            for f in (
+                lambda x, w: rows_mm(x, w, 4, 32),
+                lambda x, w: dot_mm(x, w, 16, 32),
+                lambda x, w: dot_mm(x, w, 16, 32, split=2),
+            )
+        ]
+        print(m, errors)
+        assert max(errors) < 1e-3
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    if not torch.cuda.is_available():
+        return check_on_cpu()
+    out = {"device": torch.cuda.get_device_name(), "results": {}}
+    copies = 24  # more than the L2 cache holds: the weights stream from memory, as a model's layers do
+    for name, (n, k) in SHAPES.items():
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 32 for _ in range(copies)]
+        bound_us = n * k * 2 / 3.05e12 * 1e6
+        for m in (1, 2, 4, 8, 16, 32):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ weights[0].float().T
+            res = {}
+            for cname, fn in candidates(x).items():
+                try:
+                    err = (fn(weights[0]).float() - ref).abs().max().item()
+                    res[cname] = (round(time_in_graph(fn, weights), 2), round(err, 4))
+                except Exception as e:  # noqa: BLE001 (a tile that does not compile: recorded, not fatal)
+                    res[cname] = (None, str(e)[:80])
+            ok = {c: v for c, v in res.items() if v[0] is not None and v[1] < 0.05 * ref.abs().max().item() + 0.05}
+            best = sorted(ok.items(), key=lambda kv: kv[1][0])[:4]
+            print(f"{name} N={n} K={k} M={m}: bound {bound_us:.2f} us, cublas {res['cublas'][0]} us; best {best}")
+            out["results"][f"{name}_M{m}"] = {"bound_us": bound_us, "res": res}
+    json.dump(out, open(sys.argv[1], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
