@@ -171,4 +171,4 @@ def test_llm_and_llm_engine_show_the_engine_arguments():
         assert list(params)[0] == "model" and params["model"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
         assert {n: p.default for n, p in params.items() if n != "model"} == expected
         assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for n, p in params.items() if n != "model")
-    assert "max_num_seqs: 'int' = 256" in str(inspect.signature(minivllm.LLM))
+    assert "max_num_seqs: 'int | None' = None" in str(inspect.signature(minivllm.LLM))
