@@ -80,6 +80,25 @@ def test_decode_kernel_reads_an_8bit_cache(splits):
     assert 0 < (out - full).abs().max().item() < 0.05 * full.abs().max().item()  # the cache's rounding, no more
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_16bit_queries_read_an_8bit_cache_as_float16_tiles(splits):
+    "bfloat16 queries: 8-bit tiles become float16 by default (f16_tiles), as close to the reference as bfloat16 ones."
+    q, meta, caches, _ = step([1, 1, 1], [9, 21, 5])
+    kc8, vc8 = caches["8"]
+    q = q.to(torch.bfloat16)
+    args = (q, kc8, vc8, meta.context_lens, meta.block_tables, D**-0.5)
+    ref = paged_attention_ref(
+        q.float(), kc8.float(), vc8.float(), meta.cu_seqlens_q, meta.context_lens, meta.block_tables, D**-0.5
+    )
+    default = paged_decode_attention(*args, num_splits=splits, block_n=16)
+    f16 = paged_decode_attention(*args, num_splits=splits, block_n=16, f16_tiles=True)
+    bf16 = paged_decode_attention(*args, num_splits=splits, block_n=16, f16_tiles=False)
+    assert torch.equal(default, f16) and default.dtype == torch.bfloat16
+    step_of_output = 2**-8 * ref.abs().max().item()  # bfloat16's rounding of the output itself
+    assert (f16.float() - ref).abs().max().item() <= step_of_output
+    assert (bf16.float() - ref).abs().max().item() <= step_of_output
+
+
 def test_prefill_kernel_and_torch_path_read_an_8bit_cache():
     q, meta, caches, _ = step([3, 1, 6], [9, 21, 6])
     kc8, vc8 = caches["8"]

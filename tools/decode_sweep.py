@@ -26,7 +26,7 @@ from minivllm.kernels.paged_decode import paged_decode_attention
 
 SHAPES = "256x512,512x256,128x1024,32x1024,8x1024"
 CONFIGS = [
-    dict(block_n=n, num_warps=w, num_stages=s) for n, w, s in itertools.product((64, 128, 256), (4, 8), (2, 3, 4))
+    dict(block_n=n, num_warps=w, num_stages=s) for n, w, s in itertools.product((64, 128, 256), (4, 8), (1, 2, 3, 4))
 ]
 CACHES = {"bf16": None, "fp8": torch.float8_e4m3fn}
 

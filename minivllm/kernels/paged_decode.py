@@ -123,6 +123,7 @@ def _launch_decode(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    f16_tiles: bool,
 ) -> None:
     "A program per (KV head, sequence, split): the output, or the split's partial result."
     q, out, plan, sk, sv = step.q, step.out, step.plan, step.k_cache.stride(), step.v_cache.stride()
@@ -153,6 +154,7 @@ def _launch_decode(
         FOLD_PREFIX=plan.fold_prefix,
         MIXED=mixed,
         PDL=step.pdl,
+        F16_TILES=f16_tiles,
         **step.constants,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -226,11 +228,13 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    f16_tiles: bool | None = None,
     out: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, heads, dim], a token per sequence, over its cached KV; a `shared_prefix_len` (whole blocks) is read once.
-    With `cu_seqlens_q`, q holds a mixed step's tokens: only the sequences of one token are attended (written)."""
+    With `cu_seqlens_q`, q holds a mixed step's tokens: only the sequences of one token are attended (written).
+    `f16_tiles` (default: an 8-bit cache read by 16-bit queries) converts the tiles to float16 rather than q's dtype."""
     _check_decode(q, k_cache, v_cache, context_lens, block_tables, shared_prefix_len, cu_seqlens_q)
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty_like(q) if out is None else out
@@ -251,7 +255,8 @@ def paged_decode_attention(
     )
     if cascade:
         _launch_shared_prefix(step, shared_prefix_len)
-    _launch_decode(step, shared_prefix_len, cu_seqlens_q, block_n, num_warps or DECODE_NUM_WARPS, num_stages)
+    f16_tiles = eight_bit and q.element_size() == 2 if f16_tiles is None else f16_tiles
+    _launch_decode(step, shared_prefix_len, cu_seqlens_q, block_n, num_warps or DECODE_NUM_WARPS, num_stages, f16_tiles)
     if plan.use_splits:
         _launch_merge(step, cu_seqlens_q)
     return out

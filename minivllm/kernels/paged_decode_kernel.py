@@ -24,6 +24,15 @@ def _split_tiles(kv_start, context_len, split, num_splits, BLOCK_N: tl.constexpr
     return tile_start, tl.minimum(tile_start + tiles_per_split, first_tile + num_tiles)
 
 
+@triton.jit
+def _decode_queries(q_ptr, sq, token, heads, dims, mask, qk_scale, DOT_FP32: tl.constexpr, F16_TILES: tl.constexpr):
+    "The program's query rows and their scores' scale; F16_TILES (an 8-bit cache): both in float16's terms."
+    q = tl.load(head_ptrs(q_ptr, sq, token, heads, dims), mask=mask, other=0.0)
+    if F16_TILES:  # e4m3 -> float16 is one instruction per 2 bytes; bfloat16 needs a second step (8-bit deep dive)
+        return (q.to(tl.float32) * qk_scale).to(tl.float16), 1.0  # scaled first: float16 stops at 65,504
+    return q.to(tl.float32) if DOT_FP32 else q, qk_scale
+
+
 # %% ../../notebooks/06_attention_kernels.ipynb #bf5eeb9b
 @triton.jit(do_not_specialize=["num_splits", "num_parts", "stride_bt"])
 def _paged_decode_kernel(
@@ -59,6 +68,7 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PDL: tl.constexpr = False,
+    F16_TILES: tl.constexpr = False,
 ):
     pdl_launch_next(PDL)  # (PDL: at the end of the notebook)
     pdl_wait(PDL)
@@ -77,8 +87,7 @@ def _paged_decode_kernel(
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
     out_mask = row_mask[:, None] & dim_mask[None, :]
-    q = tl.load(head_ptrs(q_ptr, sq, token, heads, dims), mask=out_mask, other=0.0)
-    q = q.to(tl.float32) if DOT_FP32 else q
+    q, qk_scale = _decode_queries(q_ptr, sq, token, heads, dims, out_mask, qk_scale, DOT_FP32, F16_TILES)
     kv = (k_cache_ptr, v_cache_ptr, sk, sv, kv_head, dims, dim_mask)  # what every tile load shares
     m_i, l_i = tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
