@@ -29,8 +29,11 @@ def _decode_queries(q_ptr, sq, token, heads, dims, mask, qk_scale, DOT_FP32: tl.
     "The program's query rows and their scores' scale; F16_TILES (an 8-bit cache): both in float16's terms."
     q = tl.load(head_ptrs(q_ptr, sq, token, heads, dims), mask=mask, other=0.0)
     if F16_TILES:  # e4m3 -> float16 is one instruction per 2 bytes; bfloat16 needs a second step (8-bit deep dive)
-        return (q.to(tl.float32) * qk_scale).to(tl.float16), 1.0  # scaled first: float16 stops at 65,504
-    return q.to(tl.float32) if DOT_FP32 else q, qk_scale
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)  # scaled first: float16 stops at 65,504
+        qk_scale = 1.0
+    elif DOT_FP32:
+        q = q.to(tl.float32)
+    return q, qk_scale
 
 
 # %% ../../notebooks/06_attention_kernels.ipynb #bf5eeb9b
