@@ -5,8 +5,10 @@
 
 Triton compiles to PTX without a GPU. For each configuration (plain; split KV in a mixed step; cascade with early
 launch) and each cache (bfloat16; 8-bit read as float16 tiles, F16_TILES; 8-bit read as bfloat16 tiles), the counts
-of the instructions that tell how the tiles reach the tensor cores. Run it without TRITON_INTERPRET: the interpreter
-replaces the compiled kernels. tests/test_kernel_compile.py and the 8-bit cache's deep dive run it.
+of the instructions that tell how the tiles reach the tensor cores. The compiler is told what a launch on Qwen3's
+shapes tells it (16-byte aligned pointers, strides divisible by 16: vectorized loads). Run it without
+TRITON_INTERPRET: the interpreter replaces the compiled kernels. tests/test_kernel_compile.py and the 8-bit cache's
+deep dive run it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import json
 import os
 
 STRIDES = {"sq": 2, "so": 2, "sk": 3, "sv": 3}
-SCALARS = ("num_splits", "num_parts", "stride_bt")
+SCALARS = ("num_splits", "num_parts", "stride_bt")  # not specialized (do_not_specialize)
+DIVISIBLE_BY_16 = [["tt.divisibility", 16]]
 CONFIGS = {
     "plain": dict(),
     "splits-mixed": dict(USE_SPLITS=True, MIXED=True),
@@ -35,14 +38,14 @@ def hopper_ptx(cache: str, **flags) -> str:
 
     ptrs = dict(q_ptr="*bf16", out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32")
     ptrs.update(k_cache_ptr=cache, v_cache_ptr=cache)
-    signature = {}
-    for name in _paged_decode_kernel.arg_names:
-        if name in ptrs:
-            signature[name] = ptrs[name]
-        elif name.endswith("_ptr"):
-            signature[name] = "*i32"
+    signature, attrs = {}, {}  # attrs: what a launch tells the compiler, pointers and strides divisible by 16
+    for i, name in enumerate(_paged_decode_kernel.arg_names):
+        if name.endswith("_ptr"):
+            signature[name] = ptrs.get(name, "*i32")
+            attrs[(i,)] = DIVISIBLE_BY_16
         elif name in STRIDES:
             signature[name] = ("i32",) * STRIDES[name]
+            attrs.update({(i, j): DIVISIBLE_BY_16 for j in range(STRIDES[name])})
         elif name in SCALARS:
             signature[name] = "i32"
         else:
@@ -50,7 +53,7 @@ def hopper_ptx(cache: str, **flags) -> str:
     constants = dict(NUM_Q_HEADS=16, GROUP=2, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128, PAGE_SIZE=16, BLOCK_N=128)
     constants.update(USE_SPLITS=False, CASCADE=False, FOLD_PREFIX=False, MIXED=False, PDL=False, F16_TILES=False)
     constants.update(DOT_PRECISION="tf32", DOT_FP32=False, **flags)
-    source = triton.compiler.ASTSource(fn=_paged_decode_kernel, signature=signature, constexprs=constants)
+    source = triton.compiler.ASTSource(fn=_paged_decode_kernel, signature=signature, constexprs=constants, attrs=attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
     return kernel.asm["ptx"]
 
