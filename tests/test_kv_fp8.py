@@ -5,12 +5,13 @@ stay close to the 16-bit cache's on the embedded model."""
 
 from __future__ import annotations
 
-import math
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 
-from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
+from minivllm import LLM, TINY_MODEL_PATH
 from minivllm.kernels.paged_decode import paged_decode_attention
 from minivllm.kernels.paged_prefill import paged_prefill_attention
 from minivllm.kernels.reference import paged_attention_ref, store_kvcache_ref
@@ -117,35 +118,17 @@ def test_prefill_kernel_and_torch_path_read_an_8bit_cache():
     )
 
 
-PROMPTS = [
-    "def fibonacci(n):\n    ",
-    "import os\nimport sys\n",
-    "class Stack:\n    def push(self, x):\n",
-    "for i in range(10):\n",
-    "    return",
-    "try:\n    import json\nexcept ImportError:\n",
-    "x = [",
-    "def main():\n",
-]
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "fp8_agreement.py"
 
 
 def fp8_agreement(**engine_kwargs) -> tuple[float, float, list[int]]:
     "Greedy tokens of the embedded model with an 8-bit and a 16/32-bit cache: (share equal, mean KL, KV blocks)."
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=20)
-    runs, blocks = {}, []
-    for kv in ["auto", "fp8"]:
-        with LLM(TINY_MODEL_PATH, kv_cache_dtype=kv, cpu_kvcache_space_gib=0.05, **engine_kwargs) as llm:
-            runs[kv] = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-            blocks.append(llm.llm_engine.scheduler.block_manager.num_blocks)
-    same, kls = 0, []
-    for ref, got in zip(runs["auto"], runs["fp8"]):
-        for a, b in zip(ref.token_ids, got.token_ids):
-            same += a == b
-        diverged = next((t for t, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b), 32)
-        for t in range(min(diverged + 1, 32)):  # the same context up to here: the next-token distributions
-            p, q = ref.logprobs[t], got.logprobs[t]
-            kls.append(sum(math.exp(p[i].logprob) * (p[i].logprob - q[i].logprob) for i in p.keys() & q.keys()))
-    return same / (len(PROMPTS) * 32), sum(kls) / len(kls), blocks
+    spec = importlib.util.spec_from_file_location("fp8_agreement", TOOL)  # tools/fp8_agreement.py, as on a GPU
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    dtype = engine_kwargs.pop("dtype", "auto")
+    result = tool.agreement(TINY_MODEL_PATH, dtype, "cpu", **engine_kwargs)
+    return result["share_same"], result["mean_kl"], result["blocks"]
 
 
 def test_engine_runs_an_8bit_cache_with_four_times_the_blocks():
