@@ -100,6 +100,35 @@ def test_16bit_queries_read_an_8bit_cache_as_float16_tiles(splits):
     assert (bf16.float() - ref).abs().max().item() <= step_of_output
 
 
+def test_float16_tiles_in_a_mixed_step_and_under_a_shared_prefix():
+    "The decode kernel's two other modes with float16 tiles: a mixed step's one-token row, and cascade's folded prefix."
+    q, meta, caches, _ = step([3, 1, 6], [9, 21, 6])
+    kc8, vc8 = caches["8"]
+    q = q.to(torch.bfloat16)
+    args = (meta.context_lens, meta.block_tables, D**-0.5)
+    ref = paged_attention_ref(q.float(), kc8.float(), vc8.float(), meta.cu_seqlens_q, *args)
+    row = meta.cu_seqlens_q[1].item()  # the one-token sequence's row: the only one the decode kernel writes
+    for f16 in (True, False):
+        out = torch.zeros_like(q)
+        paged_decode_attention(
+            q, kc8, vc8, *args, out=out, cu_seqlens_q=meta.cu_seqlens_q, num_splits=2, block_n=16, f16_tiles=f16
+        )
+        assert (out[row].float() - ref[row]).abs().max().item() <= 2**-7 * ref[
+            row
+        ].abs().max().item()  # bfloat16's step
+    g = torch.Generator().manual_seed(3)  # three sequences whose first 2 blocks are the same blocks: a shared prefix
+    kc8, vc8 = (torch.randn(12, BLOCK, HKV, D, generator=g).to(FP8) for _ in range(2))
+    tables, lens = [[7, 2, 0, 5], [7, 2, 9], [7, 2, 4, 11, 1]], [14, 11, 18]
+    meta = AttentionMetadata.build([1, 1, 1], lens, tables, BLOCK)
+    q = torch.randn(3, HQ, D, generator=g).to(torch.bfloat16)
+    args = (meta.context_lens, meta.block_tables, D**-0.5)
+    ref = paged_attention_ref(q.float(), kc8.float(), vc8.float(), meta.cu_seqlens_q, *args)
+    prefix = torch.tensor([2 * BLOCK], dtype=torch.int32)
+    for splits in (1, 2):
+        out = paged_decode_attention(q, kc8, vc8, *args, shared_prefix_len=prefix, num_splits=splits, block_n=16)
+        assert (out.float() - ref).abs().max().item() <= 2**-7 * ref.abs().max().item()
+
+
 def test_prefill_kernel_and_torch_path_read_an_8bit_cache():
     q, meta, caches, _ = step([3, 1, 6], [9, 21, 6])
     kc8, vc8 = caches["8"]
