@@ -245,6 +245,7 @@ def paged_decode_attention(
     eight_bit, cascade = k_cache.element_size() == 1, shared_prefix_len is not None
     block_n = block_n or (DECODE_BLOCK_N_8BIT if eight_bit else DECODE_BLOCK_N)
     num_stages = num_stages or (DECODE_NUM_STAGES_8BIT if eight_bit else DECODE_NUM_STAGES)
+    f16_tiles = eight_bit and q.element_size() == 2 if f16_tiles is None else f16_tiles
     max_context, sms = block_tables.shape[1] * page_size, num_sms(q.device)
     plan = plan_decode(batch, num_heads, num_kv_heads, max_context, sms, cascade, block_n, num_splits)
     part_out, part_lse = _partial_buffers(q, out, plan, batch)
@@ -255,7 +256,6 @@ def paged_decode_attention(
     )
     if cascade:
         _launch_shared_prefix(step, shared_prefix_len)
-    f16_tiles = eight_bit and q.element_size() == 2 if f16_tiles is None else f16_tiles
     _launch_decode(step, shared_prefix_len, cu_seqlens_q, block_n, num_warps or DECODE_NUM_WARPS, num_stages, f16_tiles)
     if plan.use_splits:
         _launch_merge(step, cu_seqlens_q)
