@@ -97,8 +97,11 @@ def pdl_wait(PDL: tl.constexpr):
 
 # %% ../../notebooks/06_attention_kernels.ipynb #77388cde
 @triton.jit
-def online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
-    "Fold a tile of scores `s` [M, N] (log2 units) and values `v` [N, D] into the running max, sum and output."
+def online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr, V_DTYPE: tl.constexpr = None):
+    """Fold a tile of scores `s` [M, N] (log2 units) and values `v` [N, D] into the running max, sum and output;
+    `V_DTYPE`: the values' dtype for the product, converted here, after the softmax (an 8-bit cache's tiles)."""
+    if V_DTYPE is not None:
+        v = v.to(V_DTYPE)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha, p = tl.exp2(m_i - m_new), tl.exp2(s - m_new[:, None])  # old sums' rescale, tile weights
     l_i = l_i * alpha + tl.sum(p, 1)

@@ -96,13 +96,15 @@ def _paged_decode_kernel(
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     for tile in range(tile_start, tile_end):
         pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = (pos >= kv_start) & (pos < context_len)
+        valid = pos < context_len
+        if CASCADE:
+            valid = valid & (pos >= kv_start)
         block = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         k, v = load_kv_tile(kv, block, pos % PAGE_SIZE, valid)
-        k, v = k.to(q.dtype), v.to(q.dtype)  # (an 8-bit cache's tiles, or float32 dots: to q's dtype)
+        k = k.to(q.dtype)  # (an 8-bit cache's tiles, or float32 dots: to q's dtype; V's at its product)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION, q.dtype)
     part = (seq * NUM_Q_HEADS + heads) * num_parts  # each row's first partial slot
     if FOLD_PREFIX:  # the shared prefix's pieces, finished by the kernel launched before: no merge kernel (cascade)
         m_i, l_i, acc = _fold_parts(
