@@ -96,9 +96,7 @@ def _paged_decode_kernel(
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     for tile in range(tile_start, tile_end):
         pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = pos < context_len
-        if CASCADE:
-            valid = valid & (pos >= kv_start)
+        valid = ((pos >= kv_start) & (pos < context_len)) if CASCADE else (pos < context_len)
         block = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         k, v = load_kv_tile(kv, block, pos % PAGE_SIZE, valid)
         k = k.to(q.dtype)  # (an 8-bit cache's tiles, or float32 dots: to q's dtype; V's at its product)
