@@ -6,10 +6,17 @@ graph replays), for an 8-bit and a bfloat16 cache, beside `tools/decode_fp8_vari
 Each edit is applied to a copy of minivllm/kernels/paged_decode_kernel.py (the copy imported from a temporary file,
 the launcher pointed at it): `lazy_v` converts the value tile at the P.V product rather than right after its load;
 `no_mask` loads K and V without the head-dim mask (exact while head_dim is a power of two); `all` adds `valid` without
-the shared-prefix bound when there is no cascade. A replacement that no longer matches the kernel's source stops the
-run. The question: why the package's kernel gains less from float16 tiles than the standalone one.
+the shared-prefix bound when there is no cascade. The question: why the package's kernel gains less from float16 tiles
+than the standalone one. `lazy_v` and the `valid` edit are in the package since 37cc222: the figure of this run
+(figures/52_decode_kernel_edits_h100.json) edited the kernel before them, which `--kernel` takes again:
+
+    git show 8b821e5:minivllm/kernels/paged_decode_kernel.py > old_decode_kernel.py
+    python tools/decode_kernel_edits.py OUT.json --kernel old_decode_kernel.py
+
+A variant whose edit no longer matches the kernel's source is left out, with a line saying so.
 """
 
+import argparse
 import importlib.util
 import json
 import os
@@ -26,12 +33,16 @@ from minivllm.kernels.bench import bench_decode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_fp8_variants as fv  # noqa: E402
 
-SRC = open(os.path.join(os.path.dirname(pd.__file__), "paged_decode_kernel.py")).read()
-SRC = SRC.replace(
-    "from .common import head_ptrs, load_kv_tile, online_softmax_update, pdl_launch_next, pdl_wait",
-    "from minivllm.kernels.common import head_ptrs, load_kv_tile, online_softmax_update, pdl_launch_next, pdl_wait",
-)
-SRC = SRC.replace("from .merge_splits import _fold_parts", "from minivllm.kernels.merge_splits import _fold_parts")
+PACKAGE_KERNEL = os.path.join(os.path.dirname(pd.__file__), "paged_decode_kernel.py")
+
+
+def kernel_source(path: str) -> str:
+    "The kernel module's source with its relative imports made absolute (it is imported from a temporary file)."
+    src = open(path).read()
+    src = src.replace("from .common import", "from minivllm.kernels.common import")
+    return src.replace("from .merge_splits import", "from minivllm.kernels.merge_splits import")
+
+
 EXTRA = """
 
 @triton.jit
@@ -54,13 +65,18 @@ def osu_lazy(m_i, l_i, acc, s, v, q, DOT_PRECISION: tl.constexpr):
 """
 
 
+class Unmatched(Exception):
+    "An edit's text is not in the kernel's source (the kernel changed since)."
+
+
 def edit(s, old, new):
-    assert s.count(old) == 1, f"the kernel's source no longer holds: {old}"
+    if s.count(old) != 1:
+        raise Unmatched(old.strip())
     return s.replace(old, new)
 
 
-def make(name, lazy_v, no_mask, no_kvstart):
-    s = SRC + EXTRA
+def make(src, name, lazy_v, no_mask, no_kvstart):
+    s = src + EXTRA
     if lazy_v:
         s = edit(s, "        k, v = k.to(q.dtype), v.to(q.dtype)", "        k = k.to(q.dtype)")
         s = edit(
@@ -93,12 +109,23 @@ VARIANTS = {"package": None, "lazy_v": (1, 0, 0), "no_mask": (0, 1, 0), "lazy_v+
 
 
 def main() -> None:
-    orig = pd._paged_decode_kernel
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out")
+    ap.add_argument(
+        "--kernel", default=PACKAGE_KERNEL, help="the decode kernel's module to edit (default: the package's)"
+    )
+    args = ap.parse_args()
+    src = kernel_source(args.kernel)
+    orig = pd._paged_decode_kernel if args.kernel == PACKAGE_KERNEL else make(src, "given", 0, 0, 0)
     results = []
     fp8 = torch.float8_e4m3fn
     for shape in [(256, 512), (512, 768), (32, 1024), (8, 4096)]:
         for name, flags in VARIANTS.items():
-            pd._paged_decode_kernel = orig if flags is None else make(name, *flags)
+            try:
+                pd._paged_decode_kernel = orig if flags is None else make(src, name, *flags)
+            except Unmatched as e:
+                print(f"{name}: left out, the kernel no longer holds {e}", flush=True)
+                continue
             for cache in ("fp8", "bf16"):
                 if cache == "bf16" and name in ("lazy_v",):
                     continue
@@ -114,7 +141,7 @@ def main() -> None:
                 )
                 results.append(row)
                 print(json.dumps(row), flush=True)
-        json.dump(dict(gpu=torch.cuda.get_device_name(), results=results), open(sys.argv[1], "w"))
+        json.dump(dict(gpu=torch.cuda.get_device_name(), results=results), open(args.out, "w"))
 
     pd._paged_decode_kernel = orig
 
@@ -127,7 +154,7 @@ def main() -> None:
         row = dict(batch=shape[0], context=shape[1], variant="experiment mode 1", cache="fp8", us=ms * 1e3)
         results.append(row)
         print(json.dumps(row), flush=True)
-    json.dump(dict(gpu=torch.cuda.get_device_name(), results=results), open(sys.argv[1], "w"))
+    json.dump(dict(gpu=torch.cuda.get_device_name(), results=results), open(args.out, "w"))
 
 
 if __name__ == "__main__":
