@@ -100,12 +100,11 @@ def pdl_wait(PDL: tl.constexpr):
 def online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr, V_DTYPE: tl.constexpr = None):
     """Fold a tile of scores `s` [M, N] (log2 units) and values `v` [N, D] into the running max, sum and output;
     `V_DTYPE`: the values' dtype for the product, converted here, after the softmax (an 8-bit cache's tiles)."""
-    if V_DTYPE is not None:
-        v = v.to(V_DTYPE)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha, p = tl.exp2(m_i - m_new), tl.exp2(s - m_new[:, None])  # old sums' rescale, tile weights
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    dtype: tl.constexpr = v.dtype if V_DTYPE is None else V_DTYPE
+    acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype), input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -116,12 +115,16 @@ def head_ptrs(ptr, strides, tok, heads, dims):
 
 
 @triton.jit
-def load_kv_tile(kv, block, row, valid):
+def load_kv_tile(kv, block, row, valid, PADDED: tl.constexpr = True):
     """K^T [dims, N] and V [N, dims] at positions (block, row) of a paged cache [blocks, page, kv_heads, dim].
-    `kv`: (k_ptr, v_ptr, k's strides, v's strides, the KV head, dims, the dims' mask), what every tile shares."""
+    `kv`: (k_ptr, v_ptr, k's strides, v's strides, the KV head, dims, the dims' mask), what every tile shares;
+    PADDED: dims past head_dim are masked too (else only the positions are)."""
     k_ptr, v_ptr, sk, sv, kv_head, dims, dim_mask = kv
     k_rows = block * sk[0] + row * sk[1] + kv_head * sk[2]
     v_rows = block * sv[0] + row * sv[1] + kv_head * sv[2]
-    k = tl.load(k_ptr + k_rows[None, :] + dims[:, None], mask=valid[None, :] & dim_mask[:, None], other=0.0)
-    v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=valid[:, None] & dim_mask[None, :], other=0.0)
+    k_mask, v_mask = valid[None, :], valid[:, None]
+    if PADDED:
+        k_mask, v_mask = k_mask & dim_mask[:, None], v_mask & dim_mask[None, :]
+    k = tl.load(k_ptr + k_rows[None, :] + dims[:, None], mask=k_mask, other=0.0)
+    v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=v_mask, other=0.0)
     return k, v

@@ -98,7 +98,7 @@ def _paged_decode_kernel(
         pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = ((pos >= kv_start) & (pos < context_len)) if CASCADE else (pos < context_len)
         block = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        k, v = load_kv_tile(kv, block, pos % PAGE_SIZE, valid)
+        k, v = load_kv_tile(kv, block, pos % PAGE_SIZE, valid, DIM_PAD != HEAD_DIM)
         k = k.to(q.dtype)  # (an 8-bit cache's tiles, or float32 dots: to q's dtype; V's at its product)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
