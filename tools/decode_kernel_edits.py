@@ -7,8 +7,9 @@ Each edit is applied to a copy of minivllm/kernels/paged_decode_kernel.py (the c
 the launcher pointed at it): `lazy_v` converts the value tile at the P.V product rather than right after its load;
 `no_mask` loads K and V without the head-dim mask (exact while head_dim is a power of two); `all` adds `valid` without
 the shared-prefix bound when there is no cascade. The question: why the package's kernel gains less from float16 tiles
-than the standalone one. `lazy_v` and the `valid` edit are in the package since 37cc222: the figure of this run
-(figures/52_decode_kernel_edits_h100.json) edited the kernel before them, which `--kernel` takes again:
+than the standalone one. All three are in the package since 5be7047 (the package's kernel compiles to the same PTX
+as `all`): the figure of this run (figures/52_decode_kernel_edits_h100.json) edited the kernel before them, which
+`--kernel` takes again:
 
     git show 8b821e5:minivllm/kernels/paged_decode_kernel.py > old_decode_kernel.py
     python tools/decode_kernel_edits.py OUT.json --kernel old_decode_kernel.py

@@ -2,8 +2,9 @@
 
     python tools/decode_register_cap.py OUT.json
 
-Compiled for sm_90, the kernel reading an 8-bit cache as float16 tiles (128 keys, 2 stages) takes 200 registers a
-thread (ptxas -v), so two programs of 4 warps fit an SM by registers; a bfloat16 cache's (64 keys, 3 stages) takes 123.
+Compiled for sm_90, the kernel reading an 8-bit cache as float16 tiles (128 keys, 2 stages) takes 248 registers a
+thread (Triton 3.7's ptxas -v), so two programs of 4 warps fit an SM by registers; a bfloat16 cache's (64 keys, 3
+stages) takes 123. Under a cap of 168 three fit and ptxas spills 120 bytes a thread, under 128 four and 312 bytes.
 A decode step waits on memory, and more programs an SM hide more of that wait: each cap below is timed for both caches
 at four sizes (one layer, CUDA graph replays, `minivllm.kernels.bench.bench_decode`). A cap changes no arithmetic,
 only where ptxas keeps the values.
