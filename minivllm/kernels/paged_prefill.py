@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from .backends import INTERPRET
 from .common import check_device, check_kv_cache, dot_options, next_pow2
 from .paged_prefill_kernel import _paged_prefill_kernel
 
@@ -16,6 +17,7 @@ __all__ = [
     "PREFILL_BLOCK_N",
     "PREFILL_NUM_WARPS",
     "PREFILL_NUM_STAGES",
+    "PREFILL_MAX_REGISTERS",
     "plan_prefill",
     "paged_prefill_attention",
     "varlen_prefill_attention",
@@ -23,9 +25,10 @@ __all__ = [
 
 # %% ../../notebooks/06_attention_kernels.ipynb #7573fddb
 PREFILL_BLOCK_M = 128  # query rows per program: BLOCK_Q tokens x group heads
-PREFILL_BLOCK_N = 32  # KV positions per tile
-PREFILL_NUM_WARPS = 8  # (the tiles of the H200 sweep in the GPU section: 64 / 64 / 4 / 2 before it)
-PREFILL_NUM_STAGES = 3
+PREFILL_BLOCK_N = 64  # KV positions per tile
+PREFILL_NUM_WARPS = 8  # (an H100 sweep, tools/prefill_kernel_edits.py; 128 / 32 / 8 / 3 uncapped before it)
+PREFILL_NUM_STAGES = 2
+PREFILL_MAX_REGISTERS = 128  # a cap (ptxas) under which two programs of 8 warps share an SM
 
 
 def plan_prefill(
@@ -104,6 +107,7 @@ def _launch_prefill(
         **dot_options(q.dtype),
         num_warps=num_warps or PREFILL_NUM_WARPS,
         num_stages=num_stages or PREFILL_NUM_STAGES,
+        **({} if INTERPRET else dict(maxnreg=PREFILL_MAX_REGISTERS)),
     )
     return out
 
