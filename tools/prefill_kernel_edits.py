@@ -1,15 +1,17 @@
-"""Edits of the package's paged prefill kernel, timed on a GPU on the 16,384-token prefill (16 prompts of 1,024 tokens,
-Qwen3-0.6B's heads, blocks of 16 scattered in the cache), each against the package's kernel in the same run.
+"""Edits of the package's paged prefill kernel and register caps, timed on a GPU (Qwen3-0.6B's heads, blocks of 16
+scattered in the cache), each against an uncapped kernel in the same run.
 
-    python tools/prefill_kernel_edits.py OUT.json
+    python tools/prefill_kernel_edits.py OUT.json          # the edits, on the 16,384-token prefill (16 x 1,024)
+    python tools/prefill_kernel_edits.py OUT.json --caps   # register caps by tile shape, on three shapes
 
 Each edit is applied to a copy of minivllm/kernels/paged_prefill_kernel.py (imported from a temporary file, the
 launcher pointed at it): `scale_fma` keeps the scores unscaled and folds the scale into the exponent (one fused
 multiply-add per score, the running maximum in scaled units), `reverse` runs the query blocks last to first (a
-sequence's longest rows first); `maxnreg128` caps the registers at 128 a thread (the default tiles take 130 without
-a cap, so one program of 8 warps holds an SM alone; under the cap two fit, and ptxas spills nothing). `plain` is the
-package's kernel over plain k and v [tokens, kv_heads, dim] instead of the paged cache (`varlen_prefill_attention`):
-what the paging costs. Every output is checked against the package's.
+sequence's longest rows first), `maxnreg128` caps the registers at 128 a thread. `plain` is the kernel over plain k
+and v [tokens, kv_heads, dim] instead of the paged cache (`varlen_prefill_attention`): what the paging costs. Every
+output is checked against the first configuration's. The cap: compiled for sm_90, a program of 128 x 64 tiles and 8
+warps takes 176 registers a thread (ptxas -v), so it holds an SM alone; under 128 two share one, at a few spilled
+bytes. The launcher applies `PREFILL_MAX_REGISTERS` (128 since 4cda30e), which this tool sets per run.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ VARIANTS = {
     "package": [],
     "scale_fma": ["scale_fma"],
     "reverse": ["reverse"],
-    "maxnreg128": [],
+    "maxnreg128": [],  # (the package's launcher passes its cap, PREFILL_MAX_REGISTERS: None for the others here)
     "reverse+maxnreg128": ["reverse"],
 }
 CONFIGS = [(128, 32, 8, 3), (128, 32, 8, 2), (128, 64, 8, 2)]
@@ -126,25 +128,46 @@ def runners(q, kc, vc, m, ctx_lens):
     return paged, plain
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("out")
-    args = ap.parse_args()
+CAP_SHAPES = {  # (query lengths, context lengths): prompts only, and one prompt beside 255 decodes (skip_single)
+    "prefill 16x1024": ([1024] * 16, [1024] * 16),
+    "prefill 4x4096": ([4096] * 4, [4096] * 4),
+    "mixed 255+256": ([1] * 255 + [256], [1024] * 255 + [256]),
+}
+CAP_CONFIGS = [  # (block_m, block_n, num_warps, num_stages, maxnreg)
+    (128, 32, 8, 3, None),
+    (128, 64, 8, 2, 128),
+    (128, 64, 8, 3, 128),
+    (64, 64, 4, 2, 128),
+    (64, 64, 4, 3, 128),
+    (64, 32, 4, 3, 128),
+    (128, 64, 4, 2, 255),
+    (128, 128, 8, 2, 128),
+    (128, 32, 8, 3, 96),
+]
+
+
+def timed(run, ref) -> tuple[float, float]:
+    "(microseconds, max abs difference from `ref`) of `run`."
+    err = (run().float() - ref).abs().max().item()
+    return triton.testing.do_bench(run, warmup=10, rep=60, return_mode="median") * 1e3, err
+
+
+def edits_run() -> list[dict]:
+    "Each variant at each of CONFIGS on the 16,384-token prefill, uncapped unless named `maxnreg128`."
     q_lens = ctx_lens = [1024] * 16
     q, kc, vc, m = make_step(q_lens, ctx_lens)
     flops = causal_flops(q_lens, ctx_lens)
     paged, plain = runners(q, kc, vc, m, ctx_lens)
     orig, results = pp._paged_prefill_kernel, []
-    ref = paged(*CONFIGS[0])
+    pp.PREFILL_MAX_REGISTERS = None
+    ref = paged(*CONFIGS[0]).float()
     kernels = {name: orig if not edits else make(name, edits) for name, edits in VARIANTS.items()}
-    kernels = {n: WithOptions(k, maxnreg=128) if n.endswith("maxnreg128") else k for n, k in kernels.items()}
     for cfg in CONFIGS:
         for name in list(VARIANTS) + ["plain"]:
             pp._paged_prefill_kernel = kernels.get(name, orig)
-            run = functools.partial(plain if name == "plain" else paged, *cfg)
+            pp.PREFILL_MAX_REGISTERS = 128 if name.endswith("maxnreg128") else None
             try:
-                err = (run().float() - ref.float()).abs().max().item()
-                us = triton.testing.do_bench(run, warmup=10, rep=60, return_mode="median") * 1e3
+                us, err = timed(functools.partial(plain if name == "plain" else paged, *cfg), ref)
             except Exception as e:  # (shared memory: a configuration that does not fit)
                 print(name, cfg, type(e).__name__, str(e)[:200], flush=True)
                 continue
@@ -153,9 +176,68 @@ def main() -> None:
             row.update(tflops=flops / us / 1e6, max_diff=err)
             results.append(row)
             print(json.dumps(row), flush=True)
-        pp._paged_prefill_kernel = orig
-        with open(args.out, "w") as f:
-            json.dump(dict(environment=environment(), shape="prefill 16x1024", results=results), f, indent=1)
+    pp._paged_prefill_kernel = orig
+    return results
+
+
+def capped(step, skip, rows, bm, bn, w, s, cap):
+    "The package's prefill on `step` (from `make_step`) at these tiles, under the register cap `cap`."
+    q, kc, vc, m = step
+    pp.PREFILL_MAX_REGISTERS = cap
+    out = pp.paged_prefill_attention(
+        q,
+        kc,
+        vc,
+        m.cu_seqlens_q,
+        m.context_lens,
+        m.block_tables,
+        DIM**-0.5,
+        skip_single=skip,
+        block_m=bm,
+        block_n=bn,
+        num_warps=w,
+        num_stages=s,
+    )
+    return out[rows]
+
+
+def caps_run() -> list[dict]:
+    "The package's kernel at each of CAP_CONFIGS on each of CAP_SHAPES, against the uncapped 128 / 32 / 8 / 3."
+    results = []
+    for shape, (q_lens, ctx_lens) in CAP_SHAPES.items():
+        q, kc, vc, m = make_step(q_lens, ctx_lens)
+        flops, skip = causal_flops(q_lens, ctx_lens), q_lens[0] == 1
+        rows = slice(len(q_lens) - 1, None) if skip else slice(None)  # (skipped rows stay unwritten)
+
+        run = functools.partial(capped, (q, kc, vc, m), skip, rows)
+        ref = run(*CAP_CONFIGS[0]).float()
+        for cfg in CAP_CONFIGS:
+            try:
+                us, err = timed(functools.partial(run, *cfg), ref)
+            except Exception as e:  # (shared memory: a configuration that does not fit)
+                print(shape, cfg, type(e).__name__, flush=True)
+                continue
+            bm, bn, w, s, cap = cfg
+            row = dict(shape=shape, block_m=bm, block_n=bn, num_warps=w, num_stages=s, maxnreg=cap, us=us)
+            row.update(tflops=flops / us / 1e6, max_diff=err)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--caps", action="store_true", help="the register caps by tile shape, on three shapes")
+    args = ap.parse_args()
+    cap = pp.PREFILL_MAX_REGISTERS
+    try:
+        results = caps_run() if args.caps else edits_run()
+    finally:
+        pp.PREFILL_MAX_REGISTERS = cap
+    shape = "three shapes" if args.caps else "prefill 16x1024"
+    with open(args.out, "w") as f:
+        json.dump(dict(environment=environment(), shape=shape, results=results), f, indent=1)
 
 
 if __name__ == "__main__":
