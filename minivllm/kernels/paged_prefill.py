@@ -26,7 +26,7 @@ __all__ = [
 # %% ../../notebooks/06_attention_kernels.ipynb #7573fddb
 PREFILL_BLOCK_M = 128  # query rows per program: BLOCK_Q tokens x group heads
 PREFILL_BLOCK_N = 64  # KV positions per tile
-PREFILL_NUM_WARPS = 8  # (an H100 sweep, tools/prefill_kernel_edits.py; 128 / 32 / 8 / 3 uncapped before it)
+PREFILL_NUM_WARPS = 8  # (the H100 sweep of deep dive 06_on_the_gpu; 128 / 32 / 8 / 3 uncapped before it)
 PREFILL_NUM_STAGES = 2
 PREFILL_MAX_REGISTERS = 128  # a cap (ptxas) under which two programs of 8 warps share an SM
 
