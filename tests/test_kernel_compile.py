@@ -1,8 +1,9 @@
-"""The decode kernel compiles for a Hopper GPU (sm_90) on a machine without one (`tools/kernel_ptx.py`: Triton
-compiles to PTX on the CPU). The interpreter, which runs the kernels in the other tests here, checks less than the
-compiler (a jit function's returns must agree in type, for one), so a kernel that only the GPU would reject fails here
-first. And the PTX shows what the 8-bit cache's deep dive teaches: e4m3 tiles become float16 in one instruction per two
-bytes, and bfloat16 tiles take two more."""
+"""The decode and prefill kernels compile for a Hopper GPU (sm_90) on a machine without one (`tools/kernel_ptx.py`:
+Triton compiles to PTX on the CPU). The interpreter, which runs the kernels in the other tests here, checks less than
+the compiler (a jit function's returns must agree in type, for one), so a kernel that only the GPU would reject fails
+here first. And the PTX shows what the 8-bit cache's deep dive teaches: e4m3 tiles become float16 in one instruction
+per two bytes, and bfloat16 tiles take two more. The prefill kernel compiles at the launcher's tiles with its
+register cap (`maxnreg`), which must reach the PTX for two programs to share an SM (deep dive 06, on the GPU)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ def test_decode_kernel_compiles_for_hopper_with_each_cache(ptx_counts, config):
     pairs = as_f16["cvt.rn.f16x2.e4m3x2"]
     assert pairs > 0 and as_f16["cvt.bf16.f16"] == 0 and as_f16[".f32.f16.f16.f32"] > 0  # float16 products
     assert as_bf16["cvt.rn.f16x2.e4m3x2"] == pairs and as_bf16["cvt.bf16.f16"] == 2 * pairs
+
+
+def test_prefill_kernel_compiles_for_hopper_under_its_register_cap():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(TOOL), "--prefill"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = json.loads(run.stdout.strip().splitlines()[-1])
+    for cache in ("bf16", "fp8"):
+        assert counts[cache]["wgmma.mma_async"] > 0 and counts[cache][".maxnreg"] == 1  # Hopper's MMA; the cap
+    assert counts["bf16"]["cvt.rn.f16x2.e4m3x2"] == 0 < counts["fp8"]["cvt.rn.f16x2.e4m3x2"]  # 8-bit tiles converted
 
 
 def test_the_tool_refuses_the_interpreter():

@@ -1,7 +1,8 @@
-"""The decode kernel compiled for a Hopper GPU (sm_90) on any machine, and a count of chosen PTX instructions.
+"""The attention kernels compiled for a Hopper GPU (sm_90) on any machine, and a count of chosen PTX instructions.
 
     python tools/kernel_ptx.py                      # every configuration, counts as JSON
     python tools/kernel_ptx.py --configs plain      # the plain decode step only
+    python tools/kernel_ptx.py --prefill            # the prefill kernel at the launcher's defaults, register cap too
 
 Triton compiles to PTX without a GPU. For each configuration (plain; split KV in a mixed step; cascade with early
 launch) and each cache (bfloat16; 8-bit read as float16 tiles, F16_TILES; 8-bit read as bfloat16 tiles), the counts
@@ -58,6 +59,37 @@ def hopper_ptx(cache: str, **flags) -> str:
     return kernel.asm["ptx"]
 
 
+PREFILL_COUNTED = ("wgmma.mma_async", "cp.async", ".maxnreg", "cvt.rn.f16x2.e4m3x2")
+
+
+def prefill_ptx(cache: str) -> str:
+    "PTX of the prefill kernel for sm_90 at the launcher's tiles and register cap: bfloat16 queries, a `cache` cache."
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from minivllm.kernels import paged_prefill as pp
+    from minivllm.kernels.paged_prefill_kernel import _paged_prefill_kernel
+
+    signature, attrs = {}, {}
+    for i, name in enumerate(_paged_prefill_kernel.arg_names):
+        if name.endswith("_ptr"):
+            signature[name] = dict(out_ptr="*bf16", q_ptr="*bf16", k_ptr=cache, v_ptr=cache).get(name, "*i32")
+            attrs[(i,)] = DIVISIBLE_BY_16
+        elif name in STRIDES:
+            signature[name] = ("i32",) * STRIDES[name]
+            attrs.update({(i, j): DIVISIBLE_BY_16 for j in range(STRIDES[name])})
+        elif name in ("num_seqs", "stride_bt"):
+            signature[name] = "i32"
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "constexpr"
+    block_m, block_q, _ = pp.plan_prefill(1024, 1, 16, 8)
+    constants = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, DIM_PAD=128, PAGE_SIZE=16, BLOCK_Q=block_q, BLOCK_M=block_m)
+    constants.update(BLOCK_N=pp.PREFILL_BLOCK_N, PAGED=True, SKIP_SINGLE=True, DOT_PRECISION="tf32", DOT_FP32=False)
+    options = dict(num_warps=pp.PREFILL_NUM_WARPS, num_stages=pp.PREFILL_NUM_STAGES, maxnreg=pp.PREFILL_MAX_REGISTERS)
+    source = triton.compiler.ASTSource(fn=_paged_prefill_kernel, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
 def counts(configs: list[str]) -> dict:
     "For each configuration and cache, the count of each of COUNTED in the PTX."
     result = {}
@@ -71,9 +103,14 @@ def counts(configs: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of: " + ", ".join(CONFIGS))
+    ap.add_argument("--prefill", action="store_true", help="the prefill kernel instead, bfloat16 and 8-bit caches")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("kernel_ptx.py compiles the kernels: run it without TRITON_INTERPRET=1")
+    if args.prefill:
+        ptx = {cache: prefill_ptx(ty) for cache, ty in (("bf16", "*bf16"), ("fp8", "*fp8e4nv"))}
+        print(json.dumps({cache: {op: p.count(op) for op in PREFILL_COUNTED} for cache, p in ptx.items()}))
+        return
     print(json.dumps(counts(args.configs.split(","))))
 
 
