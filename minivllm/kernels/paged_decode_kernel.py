@@ -25,6 +25,16 @@ def _split_tiles(kv_start, context_len, split, num_splits, BLOCK_N: tl.constexpr
 
 
 @triton.jit
+def _query_row(cu_seqlens_q_ptr, seq, MIXED: tl.constexpr):
+    "(token, q_len) of the sequence's query row; MIXED: its first token, and sequences of more tokens are prefill's."
+    token, q_len = seq, 1
+    if MIXED:
+        token = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - token
+    return token, q_len
+
+
+@triton.jit
 def _decode_queries(q_ptr, sq, token, heads, dims, mask, qk_scale, DOT_FP32: tl.constexpr, F16_TILES: tl.constexpr):
     "The program's query rows and their scores' scale; F16_TILES (an 8-bit cache): both in float16's terms."
     q = tl.load(head_ptrs(q_ptr, sq, token, heads, dims), mask=mask, other=0.0)
@@ -34,6 +44,37 @@ def _decode_queries(q_ptr, sq, token, heads, dims, mask, qk_scale, DOT_FP32: tl.
     elif DOT_FP32:
         q = q.to(tl.float32)
     return q, qk_scale
+
+
+@triton.jit
+def _decode_tiles(
+    q,
+    qk_scale,
+    kv,
+    row,
+    tiles,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CASCADE: tl.constexpr,
+    PADDED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The running max, sum and output of q's rows over the tiles [tile_start, tile_end) = `tiles`. `row`: the
+    sequence's block-table row, kv_start and context_len; `kv`: what every tile load shares (load_kv_tile)."""
+    table, kv_start, context_len = row
+    tile_start, tile_end = tiles
+    m_i, l_i = tl.full([q.shape[0]], float("-inf"), tl.float32), tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros(q.shape, tl.float32)
+    for tile in range(tile_start, tile_end):
+        pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = ((pos >= kv_start) & (pos < context_len)) if CASCADE else (pos < context_len)
+        block = tl.load(table + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        k, v = load_kv_tile(kv, block, pos % PAGE_SIZE, valid, PADDED)
+        k = k.to(q.dtype)  # (an 8-bit cache's tiles, or float32 dots: to q's dtype; V's at its product)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION, q.dtype)
+    return m_i, l_i, acc
 
 
 # %% ../../notebooks/06_attention_kernels.ipynb #bf5eeb9b
@@ -76,15 +117,12 @@ def _paged_decode_kernel(
     pdl_launch_next(PDL)  # (PDL: at the end of the notebook)
     pdl_wait(PDL)
     kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    token, q_len = seq, 1  # the sequence's query row
-    if MIXED:  # a mixed step: the row is the sequence's first token; sequences of more tokens are prefill's (below)
-        token = tl.load(cu_seqlens_q_ptr + seq)
-        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - token
+    token, q_len = _query_row(cu_seqlens_q_ptr, seq, MIXED)  # (MIXED: a mixed step, the prefill section below)
     if q_len != 1:
         return
     context_len = tl.load(context_lens_ptr + seq)
     kv_start = tl.load(prefix_len_ptr) if CASCADE else 0  # positions [0, kv_start): the shared prefix, read elsewhere
-    tile_start, tile_end = _split_tiles(kv_start, context_len, split, num_splits, BLOCK_N)
+    tiles = _split_tiles(kv_start, context_len, split, num_splits, BLOCK_N)
     rows = tl.arange(0, GROUP_PAD)  # the query heads that share this KV head (padded to >= 16)
     heads, row_mask = kv_head * GROUP + rows, rows < GROUP
     dims = tl.arange(0, DIM_PAD)
@@ -92,17 +130,9 @@ def _paged_decode_kernel(
     out_mask = row_mask[:, None] & dim_mask[None, :]
     q, qk_scale = _decode_queries(q_ptr, sq, token, heads, dims, out_mask, qk_scale, DOT_FP32, F16_TILES)
     kv = (k_cache_ptr, v_cache_ptr, sk, sv, kv_head, dims, dim_mask)  # what every tile load shares
-    m_i, l_i = tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for tile in range(tile_start, tile_end):
-        pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = ((pos >= kv_start) & (pos < context_len)) if CASCADE else (pos < context_len)
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        k, v = load_kv_tile(kv, block, pos % PAGE_SIZE, valid, DIM_PAD != HEAD_DIM)
-        k = k.to(q.dtype)  # (an 8-bit cache's tiles, or float32 dots: to q's dtype; V's at its product)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION, q.dtype)
+    row = (block_tables_ptr + seq * stride_bt, kv_start, context_len)  # the sequence's blocks and positions
+    PADDED: tl.constexpr = DIM_PAD != HEAD_DIM
+    m_i, l_i, acc = _decode_tiles(q, qk_scale, kv, row, tiles, PAGE_SIZE, BLOCK_N, CASCADE, PADDED, DOT_PRECISION)
     part = (seq * NUM_Q_HEADS + heads) * num_parts  # each row's first partial slot
     if FOLD_PREFIX:  # the shared prefix's pieces, finished by the kernel launched before: no merge kernel (cascade)
         m_i, l_i, acc = _fold_parts(
