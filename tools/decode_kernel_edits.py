@@ -18,11 +18,9 @@ A variant whose edit no longer matches the kernel's source is left out, with a l
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
-import tempfile
 from functools import partial
 
 import torch
@@ -33,15 +31,9 @@ from minivllm.kernels.bench import bench_decode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_fp8_variants as fv  # noqa: E402
+from kernel_variants import import_source, kernel_source  # noqa: E402
 
 PACKAGE_KERNEL = os.path.join(os.path.dirname(pd.__file__), "paged_decode_kernel.py")
-
-
-def kernel_source(path: str) -> str:
-    "The kernel module's source with its relative imports made absolute (it is imported from a temporary file)."
-    src = open(path).read()
-    src = src.replace("from .common import", "from minivllm.kernels.common import")
-    return src.replace("from .merge_splits import", "from minivllm.kernels.merge_splits import")
 
 
 EXTRA = """
@@ -97,13 +89,7 @@ def make(src, name, lazy_v, no_mask, no_kvstart):
             "valid = (pos >= kv_start) & (pos < context_len)",
             "valid = ((pos >= kv_start) & (pos < context_len)) if CASCADE else (pos < context_len)",
         )
-    d = tempfile.mkdtemp()
-    path = os.path.join(d, f"pv_{name}.py")
-    open(path, "w").write(s)
-    spec = importlib.util.spec_from_file_location(f"pv_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod._paged_decode_kernel
+    return import_source(s, f"pv_{name}")._paged_decode_kernel
 
 
 VARIANTS = {"package": None, "lazy_v": (1, 0, 0), "no_mask": (0, 1, 0), "lazy_v+no_mask": (1, 1, 0), "all": (1, 1, 1)}

@@ -24,7 +24,7 @@ from minivllm.bench import environment
 from minivllm.kernels.bench import bench_decode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from prefill_kernel_edits import WithOptions  # noqa: E402
+from kernel_variants import WithOptions  # noqa: E402
 
 SHAPES = [(256, 512), (512, 768), (32, 1024), (8, 4096)]
 CAPS = [None, 168, 128]

@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import os
 import sys
-import tempfile
 
 import torch
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_variants import import_source, kernel_source  # noqa: E402
 from prefill_sweep import DIM, causal_flops, make_step  # noqa: E402
 
 from minivllm.bench import environment  # noqa: E402
@@ -73,29 +72,13 @@ VARIANTS = {
 CONFIGS = [(128, 32, 8, 3), (128, 32, 8, 2), (128, 64, 8, 2)]
 
 
-class WithOptions:
-    "A kernel launched with extra compile options (`maxnreg`: a register cap, so that two programs fit an SM)."
-
-    def __init__(self, kernel, **options):
-        self.kernel, self.options = kernel, options
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-        return lambda *args, **kwargs: launch(*args, **kwargs, **self.options)
-
-
 def make(name: str, edits: list[str]):
-    src = open(KERNEL).read().replace("from .common import", "from minivllm.kernels.common import") + EXTRA
+    src = kernel_source(KERNEL) + EXTRA
     for edit in edits:
         for old, new in EDITS[edit]:
             assert src.count(old) == 1, f"the kernel no longer holds: {old}"
             src = src.replace(old, new)
-    path = os.path.join(tempfile.mkdtemp(), f"prefill_{name}.py")
-    open(path, "w").write(src)
-    spec = importlib.util.spec_from_file_location(f"prefill_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod._paged_prefill_kernel
+    return import_source(src, f"prefill_{name}")._paged_prefill_kernel
 
 
 def plain_kv(kc, vc, block_tables, ctx_lens):
