@@ -32,6 +32,9 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
     (128, 64, 64, 4, 4),
     (64, 128, 64, 4, 4),
     (128, 256, 64, 8, 2),
+    (16, 64, 128, 4, 4),  # few rows: decode steps
+    (16, 32, 256, 4, 3),
+    (16, 128, 64, 4, 4),
 ]
 GROUP_M = 8  # programs that share a column block run together (the weight tile stays in L2)
 
@@ -155,7 +158,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(2 * args.intermediate, args.hidden, generator=g, device="cuda") * 0.03).bfloat16()
     results = []
-    for m in (16384, 2048, 256):
+    for m in (16384, 2048, 256, 32, 8):
         x = torch.randn(m, args.hidden, generator=g, device="cuda").bfloat16()
         flops = 2.0 * m * args.hidden * 2 * args.intermediate
         ref = unfused(x, w)
