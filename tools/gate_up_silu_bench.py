@@ -87,6 +87,64 @@ def _gate_up_silu_kernel(
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :], out.to(dtype), mask=rows[:, None] < M)
 
 
+@triton.jit
+def _gate_up_silu_tma_kernel(
+    out_desc,
+    x_desc,
+    w_desc,
+    M,
+    K,
+    inter,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    "The same product with Hopper's tensor-memory loads (TMA): one descriptor per operand, tiles by coordinates."
+    pid, num_m, num_n = tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(inter, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pm = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pn = (pid % (GROUP_M * num_n)) // size_m
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = x_desc.load([pm * BLOCK_M, k])
+        wg = w_desc.load([pn * BLOCK_N, k])
+        wu = w_desc.load([inter + pn * BLOCK_N, k])
+        if DOT_FP32:
+            x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+        acc_g = tl.dot(x, wg.T, acc_g)
+        acc_u = tl.dot(x, wu.T, acc_u)
+    dtype = out_desc.dtype
+    gate = acc_g.to(dtype).to(tl.float32)
+    up = acc_u.to(dtype).to(tl.float32)
+    out_desc.store([pm * BLOCK_M, pn * BLOCK_N], (gate / (1.0 + tl.exp(-gate)) * up).to(dtype))
+
+
+def gate_up_silu_tma(x: torch.Tensor, w: torch.Tensor, config=CONFIGS[0]) -> torch.Tensor:
+    "`gate_up_silu` by tensor descriptors (rows past M are neither read nor written: the descriptor bounds them)."
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bk, warps, stages = config
+    (m, k), inter = x.shape, w.shape[0] // 2
+    if k % bk or inter % bn or w.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} do not fit tiles of {bn} x {bk}")
+    out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
+    descs = (
+        TensorDescriptor.from_tensor(out, [bm, bn]),
+        TensorDescriptor.from_tensor(x, [bm, bk]),
+        TensorDescriptor.from_tensor(w, [bn, bk]),
+    )
+    grid = (triton.cdiv(m, bm) * (inter // bn),)
+    _gate_up_silu_tma_kernel[grid](
+        *descs, m, k, inter, bm, bn, bk, GROUP_M, INTERPRET, num_warps=warps, num_stages=stages
+    )
+    return out
+
+
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, config=CONFIGS[0]) -> torch.Tensor:
     "silu(x @ w[:I].T) * (x @ w[I:].T) for x [M, K] and the merged gate/up weight w [2I, K]."
     bm, bn, bk, warps, stages = config
@@ -138,8 +196,9 @@ def check() -> None:
         w = (torch.randn(256, 128, generator=g) * 0.05).to(device, dtype)
         gate, up = (x.float() @ w.float().t()).to(x.dtype).float().chunk(2, dim=-1)  # the product, rounded
         ref = (torch.nn.functional.silu(gate) * up).to(x.dtype)  # the activation kernel: float32, rounded once
-        got = gate_up_silu(x, w, (32, 32, 32, 4, 2))
-        print(f"M {m}: {json.dumps(compare(got, ref))}")
+        for fn in (gate_up_silu, gate_up_silu_tma):
+            got = fn(x, w, (32, 32, 32, 4, 2))
+            print(f"{fn.__name__} M {m}: {json.dumps(compare(got, ref))}")
 
 
 def main() -> None:
@@ -164,6 +223,7 @@ def main() -> None:
         ref = unfused(x, w)
         rows = [("cuBLAS + activation", functools.partial(unfused, x, w), None)]
         rows += [("fused", functools.partial(gate_up_silu, x, w, c), c) for c in CONFIGS]
+        rows += [("fused TMA", functools.partial(gate_up_silu_tma, x, w, c), c) for c in CONFIGS]
         for label, run, config in rows:
             try:
                 agree = compare(run(), ref)
