@@ -12,6 +12,7 @@ next layer's qkv weight. The main stream never waits for it inside the step, so 
 Each arm is a fresh process (the patch goes in before the engine captures its graphs): `off`, `normal` (plain
 prefetches) and `last` (`L2::evict_last`, kept over streamed data), alternated `--runs` times; each run times
 `--steps` decode steps per batch size after prefill and warm-up, wall clock (the engine's own loop, graphs replayed).
+A mode `last:64` runs 64 prefetching programs instead of `--programs`.
 """
 
 from __future__ import annotations
@@ -140,8 +141,9 @@ def one_run(mode: str, batches: list[int], context: int, steps: int, programs: i
     from minivllm import LLM, SamplingParams
     from minivllm.bench import random_qwen3_folder
 
+    mode, _, count = mode.partition(":")  # e.g. "last:64": 64 prefetching programs instead of --programs
     if mode != "off":
-        patch(mode, programs)
+        patch(mode, int(count or programs))
     llm = LLM(random_qwen3_folder("/tmp/minivllm-qwen3-0.6b-random"), skip_tokenizer_init=True, max_model_len=4096)
     engine, out = llm.llm_engine, {}
     random.seed(0)
