@@ -1,0 +1,53 @@
+"""The GPU experiments' kernels, checked on a CPU (Triton's interpreter) before a GPU times them:
+tools/gate_up_silu_bench.py (the MLP's product with its activation, plain and by tensor descriptors),
+tools/qkv_epilogue_bench.py (the qkv product with the q/k norms, rotation and K/V write) and
+tools/l2_prefetch_probe.py (its prefetch kernel visits every line of a tensor once)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the interpreter checks (TRITON_INTERPRET=1, set by conftest.py on a CPU); on a GPU the tools measure",
+)
+
+
+def tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_fused_gate_up_kernels_match_the_unfused_path():
+    bench = tool("gate_up_silu_bench")
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(256, 128, generator=g) * 0.05).half()
+    for m in (1, 37):
+        x = (torch.randn(m, 128, generator=g) * 0.5).half()
+        gate, up = (x.float() @ w.float().t()).half().float().chunk(2, dim=-1)
+        want = (torch.nn.functional.silu(gate) * up).half()
+        for fn in (bench.gate_up_silu, bench.gate_up_silu_tma):
+            torch.testing.assert_close(fn(x, w, (32, 32, 32, 4, 2)), want, atol=1e-3, rtol=1e-3)
+
+
+def test_the_qkv_epilogue_kernel_writes_what_qk_norm_rope_store_writes():
+    bench = tool("qkv_epilogue_bench")
+    args = bench.problem(37, (4, 2, 32), 64, "cpu", torch.float16)
+    want = bench.run_both(args, bench.unfused)
+    got = bench.run_both(args, bench.qkv_epilogue, (32, 32, 4, 2))
+    assert want[1].abs().sum() > 0 and want[2].abs().sum() > 0  # keys and values were written
+    for a, b in zip(got, want):  # queries, key cache, value cache
+        torch.testing.assert_close(a, b, atol=4e-3, rtol=4e-3)
+
+
+def test_the_prefetch_kernel_visits_every_line_once():
+    probe = tool("l2_prefetch_probe")
+    probe.check()
