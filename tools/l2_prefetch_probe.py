@@ -132,7 +132,7 @@ def patch(mode: str, programs: int) -> None:
         init(self, *a, **k)
         layers = list(self.layers)
         for layer, nxt in zip(layers, layers[1:] + [None]):
-            layer.next_layer = nxt
+            object.__setattr__(layer, "next_layer", nxt)  # (not a submodule: its weights stay where they are)
 
     qwen3.Qwen3Model.__init__ = model_init
 
