@@ -170,20 +170,6 @@ def candidates(x: torch.Tensor) -> dict:
     return cands
 
 
-def time_in_graph(fn, weights: list[torch.Tensor]) -> float:
-    "Microseconds per product: one CUDA graph over every weight copy, replayed by Triton's do_bench."
-    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        for w in weights:
-            fn(w)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        for w in weights:
-            fn(w)
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=40) / len(weights) * 1000
-
-
 def check_on_cpu() -> None:
     "The kernels against x @ W^T in Triton's interpreter: the largest difference for each."
     for m in (1, 3, 5, 8, 16, 20):
@@ -205,6 +191,8 @@ def main() -> None:
     torch.manual_seed(0)
     if not torch.cuda.is_available():
         return check_on_cpu()
+    from kernel_variants import time_in_graph  # (tools/, the folder python puts first for a script)
+
     out = {"device": torch.cuda.get_device_name(), "results": {}}
     copies = 24  # more than the L2 cache holds: the weights stream from memory, as a model's layers do
     for name, (n, k) in SHAPES.items():

@@ -2,6 +2,7 @@
 activation kernel, in one run.
 
     python tools/gate_up_silu_bench.py OUT.json            # Qwen3-0.6B's MLP (hidden 1,024, intermediate 3,072)
+    python tools/gate_up_silu_bench.py OUT.json --graphs   # decode sizes (8 to 256 rows) as CUDA graph replays
     TRITON_INTERPRET=1 python tools/gate_up_silu_bench.py --check   # the kernel against the unfused path, on the CPU
 
 Why: in the 16,384-token prefill step the activation kernel takes 2.9 ms of 34.3
@@ -201,10 +202,34 @@ def check() -> None:
             print(f"{fn.__name__} M {m}: {json.dumps(compare(got, ref))}")
 
 
+def in_graphs(out: str | None, hidden: int, inter: int) -> None:
+    """Decode sizes as decode steps run them: each candidate over 24 copies of the weight in one CUDA graph (eager
+    launches, as the default mode times them, charge the unfused path for its second launch)."""
+    from kernel_variants import time_in_graph
+
+    from minivllm.bench import environment
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weights = [(torch.randn(2 * inter, hidden, generator=g, device="cuda") * 0.03).bfloat16() for _ in range(24)]
+    results = []
+    for m in (8, 32, 256):
+        x = torch.randn(m, hidden, generator=g, device="cuda").bfloat16()
+        rows = [("cuBLAS + activation", lambda w, x=x: unfused(x, w), None)]
+        rows += [("fused", lambda w, x=x, c=c: gate_up_silu(x, w, c), c) for c in CONFIGS if c[0] <= max(m, 64)]
+        for label, fn, config in rows:
+            row = dict(tokens=m, label=label, config=config, us=time_in_graph(fn, weights), graphs=True)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(environment=environment(), results=results), f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", nargs="?")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--graphs", action="store_true", help="decode sizes, timed as CUDA graph replays")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=3072)
     args = ap.parse_args()
@@ -212,6 +237,8 @@ def main() -> None:
         return check()
     if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
         raise SystemExit("timing needs a CUDA GPU, without TRITON_INTERPRET (--check runs anywhere)")
+    if args.graphs:
+        return in_graphs(args.out, args.hidden, args.intermediate)
     from minivllm.bench import environment
 
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -1,5 +1,6 @@
-"""Helpers of the kernel-experiment tools (decode_kernel_edits.py, prefill_kernel_edits.py, decode_register_cap.py):
-a kernel module's source imported again from a temporary file, edited, and a kernel launched with extra options."""
+"""Helpers of the kernel-experiment tools (decode_kernel_edits.py, prefill_kernel_edits.py, decode_register_cap.py,
+few_row_bench.py, gate_up_silu_bench.py, qkv_epilogue_bench.py): a kernel module's source imported again from a
+temporary file, edited, a kernel launched with extra options, and few-row products timed in CUDA graphs."""
 
 from __future__ import annotations
 
@@ -33,3 +34,21 @@ class WithOptions:
     def __getitem__(self, grid):
         launch = self.kernel[grid]
         return lambda *args, **kwargs: launch(*args, **kwargs, **self.options)
+
+
+def time_in_graph(fn, weights: list) -> float:
+    """Microseconds per call of `fn(w)`: one CUDA graph over every weight copy (more than the L2 cache holds, as a
+    model's layers are), replayed by Triton's do_bench. Decode steps replay graphs: this is how their kernels run."""
+    import torch
+    import triton
+
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        for w in weights:
+            fn(w)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=40) / len(weights) * 1000

@@ -2,6 +2,7 @@
 against cuBLAS plus the package's `qk_norm_rope_store`, in one run.
 
     python tools/qkv_epilogue_bench.py OUT.json        # Qwen3-0.6B's attention (hidden 1,024, 16 + 8 + 8 heads of 128)
+    python tools/qkv_epilogue_bench.py OUT.json --graphs   # decode sizes (8 to 256 rows) as CUDA graph replays
     TRITON_INTERPRET=1 python tools/qkv_epilogue_bench.py --check   # the kernel against the unfused path, on the CPU
 
 Why: in the 16,384-token prefill step `qk_norm_rope_store` takes 2.7 ms of 34.3
@@ -215,15 +216,39 @@ def check() -> None:
         print(f"M {m}: " + " | ".join(f"{n} {json.dumps(compare(a, b))}" for n, a, b in zip("qkv", got, want)))
 
 
+def in_graphs(out: str | None) -> None:
+    "Decode sizes as decode steps run them: each candidate over 24 copies of the qkv weight in one CUDA graph."
+    from kernel_variants import time_in_graph
+
+    from minivllm.bench import environment
+
+    results = []
+    for m in (8, 32, 256):
+        x, w, *rest = problem(m, (16, 8, 128), 1024, "cuda", torch.bfloat16)
+        weights = [w.clone() for _ in range(24)]
+        rows = [("cuBLAS + qk_norm_rope_store", lambda w, x=x, rest=rest: unfused(x, w, *rest), None)]
+        rows += [("fused", lambda w, x=x, rest=rest, c=c: qkv_epilogue(x, w, *rest, c), c) for c in CONFIGS]
+        for label, fn, config in rows:
+            row = dict(tokens=m, label=label, config=config, us=time_in_graph(fn, weights), graphs=True)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(environment=environment(), results=results), f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", nargs="?")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--graphs", action="store_true", help="decode sizes, timed as CUDA graph replays")
     args = ap.parse_args()
     if args.check:
         return check()
     if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
         raise SystemExit("timing needs a CUDA GPU, without TRITON_INTERPRET (--check runs anywhere)")
+    if args.graphs:
+        return in_graphs(args.out)
     from minivllm.bench import environment
 
     heads, hidden, results = (16, 8, 128), 1024, []
