@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def tool(name: str):
+    "Import tools/`name`.py as python runs it as a script: with tools/ first on the path (its shared helpers)."
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
     spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

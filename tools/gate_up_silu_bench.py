@@ -24,6 +24,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from kernel_variants import graph_rows, grouped_tile, save_results
 
 from minivllm.kernels.backends import INTERPRET
 
@@ -58,12 +59,7 @@ def _gate_up_silu_kernel(
     DOT_FP32: tl.constexpr,
 ):
     "out[m, n] = silu(x[m] . w[n]) * (x[m] . w[inter + n]), each product rounded to out's dtype first."
-    pid, num_m, num_n = tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(inter, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pm = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pn = (pid % (GROUP_M * num_n)) // size_m
+    pm, pn = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(inter, BLOCK_N), GROUP_M)
     rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -103,12 +99,7 @@ def _gate_up_silu_tma_kernel(
     DOT_FP32: tl.constexpr,
 ):
     "The same product with Hopper's tensor-memory loads (TMA): one descriptor per operand, tiles by coordinates."
-    pid, num_m, num_n = tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(inter, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pm = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pn = (pid % (GROUP_M * num_n)) // size_m
+    pm, pn = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(inter, BLOCK_N), GROUP_M)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -205,10 +196,6 @@ def check() -> None:
 def in_graphs(out: str | None, hidden: int, inter: int) -> None:
     """Decode sizes as decode steps run them: each candidate over 24 copies of the weight in one CUDA graph (eager
     launches, as the default mode times them, charge the unfused path for its second launch)."""
-    from kernel_variants import time_in_graph
-
-    from minivllm.bench import environment
-
     g = torch.Generator(device="cuda").manual_seed(0)
     weights = [(torch.randn(2 * inter, hidden, generator=g, device="cuda") * 0.03).bfloat16() for _ in range(24)]
     results = []
@@ -216,13 +203,8 @@ def in_graphs(out: str | None, hidden: int, inter: int) -> None:
         x = torch.randn(m, hidden, generator=g, device="cuda").bfloat16()
         rows = [("cuBLAS + activation", lambda w, x=x: unfused(x, w), None)]
         rows += [("fused", lambda w, x=x, c=c: gate_up_silu(x, w, c), c) for c in CONFIGS if c[0] <= max(m, 64)]
-        for label, fn, config in rows:
-            row = dict(tokens=m, label=label, config=config, us=time_in_graph(fn, weights), graphs=True)
-            results.append(row)
-            print(json.dumps(row), flush=True)
-    if out:
-        with open(out, "w") as f:
-            json.dump(dict(environment=environment(), results=results), f, indent=1)
+        graph_rows(m, rows, weights, results)
+    save_results(out, results)
 
 
 def main() -> None:
@@ -239,8 +221,6 @@ def main() -> None:
         raise SystemExit("timing needs a CUDA GPU, without TRITON_INTERPRET (--check runs anywhere)")
     if args.graphs:
         return in_graphs(args.out, args.hidden, args.intermediate)
-    from minivllm.bench import environment
-
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(2 * args.intermediate, args.hidden, generator=g, device="cuda") * 0.03).bfloat16()
     results = []
@@ -261,9 +241,7 @@ def main() -> None:
             row = dict(tokens=m, label=label, config=config, us=us, tflops=flops / us / 1e6, **agree)
             results.append(row)
             print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(environment=environment(), results=results), f, indent=1)
+        save_results(args.out, results)
 
 
 if __name__ == "__main__":

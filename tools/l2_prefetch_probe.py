@@ -89,14 +89,11 @@ def patch(mode: str, programs: int) -> None:
     last = mode == "last"
     original = qwen3.Qwen3DecoderLayer.forward
 
-    def layer_weights(layer):
-        return layer.self_attn, layer.mlp
-
     def forward(self, positions, hidden_states, residual, meta=None):
         if hidden_states.shape[0] > 512:  # prompts: as before
             return original(self, positions, hidden_states, residual, meta)
         main = torch.cuda.current_stream()
-        attn, mlp = layer_weights(self)
+        attn, mlp = self.self_attn, self.mlp
         if self.norms_in_products(hidden_states):  # one row: everything this layer and the next qkv, at its start
             side.wait_stream(main)
             ahead = [attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]

@@ -24,6 +24,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from kernel_variants import graph_rows, grouped_tile, save_results
 
 from minivllm.kernels.backends import INTERPRET
 from minivllm.kernels.qk_norm_rope import _norm_rotate
@@ -70,11 +71,7 @@ def _qkv_epilogue_kernel(
     DOT_FP32: tl.constexpr,
 ):
     "Rows pm * BLOCK_M.., head `head` of q, k or v: product, then that head's part of `qk_norm_rope_store`."
-    pid, num_m, num_n = tl.program_id(0), tl.cdiv(M, BLOCK_M), NUM_HEADS + 2 * NUM_KV_HEADS
-    first_m = pid // (GROUP_M * num_n) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pm = first_m + (pid % (GROUP_M * num_n)) % size_m
-    head = (pid % (GROUP_M * num_n)) // size_m
+    pm, head = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), NUM_HEADS + 2 * NUM_KV_HEADS, GROUP_M)
     rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     half = tl.arange(0, HEAD_DIM // 2)
     ks = tl.arange(0, BLOCK_K)
@@ -218,23 +215,14 @@ def check() -> None:
 
 def in_graphs(out: str | None) -> None:
     "Decode sizes as decode steps run them: each candidate over 24 copies of the qkv weight in one CUDA graph."
-    from kernel_variants import time_in_graph
-
-    from minivllm.bench import environment
-
     results = []
     for m in (8, 32, 256):
         x, w, *rest = problem(m, (16, 8, 128), 1024, "cuda", torch.bfloat16)
         weights = [w.clone() for _ in range(24)]
         rows = [("cuBLAS + qk_norm_rope_store", lambda w, x=x, rest=rest: unfused(x, w, *rest), None)]
         rows += [("fused", lambda w, x=x, rest=rest, c=c: qkv_epilogue(x, w, *rest, c), c) for c in CONFIGS]
-        for label, fn, config in rows:
-            row = dict(tokens=m, label=label, config=config, us=time_in_graph(fn, weights), graphs=True)
-            results.append(row)
-            print(json.dumps(row), flush=True)
-    if out:
-        with open(out, "w") as f:
-            json.dump(dict(environment=environment(), results=results), f, indent=1)
+        graph_rows(m, rows, weights, results)
+    save_results(out, results)
 
 
 def main() -> None:
@@ -249,7 +237,6 @@ def main() -> None:
         raise SystemExit("timing needs a CUDA GPU, without TRITON_INTERPRET (--check runs anywhere)")
     if args.graphs:
         return in_graphs(args.out)
-    from minivllm.bench import environment
 
     heads, hidden, results = (16, 8, 128), 1024, []
     for m in (16384, 2048, 256, 32, 8):
@@ -270,9 +257,7 @@ def main() -> None:
             row = dict(tokens=m, label=label, config=config, us=us, tflops=flops / us / 1e6, agree=agree)
             results.append(row)
             print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(environment=environment(), results=results), f, indent=1)
+        save_results(args.out, results)
 
 
 if __name__ == "__main__":
