@@ -175,7 +175,9 @@ def test_decode_half_precision(dtype):
 def test_choose_num_splits():
     assert choose_num_splits(256, 8, 1024, 64, 132) == 1  # 2048 programs already fill an H200
     assert choose_num_splits(1, 8, 8192, 64, 132) == 32  # 8 programs -> 256
-    assert choose_num_splits(1, 8, 512, 64, 132) == 2  # never fewer than 4 tiles per split
+    assert choose_num_splits(1, 8, 512, 64, 132) == 4  # 2 tiles a split where 4 would leave SMs without a program
+    assert choose_num_splits(1, 8, 4096, 64, 132) == 32  # one stream at the bench's capacity: 8 programs -> 256
+    assert choose_num_splits(8, 8, 4096, 64, 132) == 8  # 64 pairs of 4-tile splits fill the SMs: 4 tiles a split
     assert choose_num_splits(1, 1, 10**6, 64, 132) == MAX_SPLITS
     assert choose_num_splits(4, 8, 16, 64, 132) == 1
     # at most 4 programs per SM, rounded down: the fastest counts of notebook 06's sweep (CUDA graphs, H200)
@@ -371,7 +373,9 @@ def test_plan_decode_invariants(batch, num_kv_heads, group, max_context, sms, ca
         assert plan.num_splits == choose_num_splits(batch, num_kv_heads, max_context, block_n, sms)
         assert 1 <= plan.num_splits <= MAX_SPLITS
         tiles = math.ceil(max_context / block_n)
-        assert plan.num_splits <= max(1, math.ceil(tiles / 4))  # MIN_TILES_PER_SPLIT: no more than tiles / 4
+        # MIN_TILES_PER_SPLIT: no more than tiles / 4, or tiles / 2 where splits of 4 leave SMs without a program
+        min_tiles = 4 if batch * num_kv_heads * math.ceil(tiles / 4) >= sms else 2
+        assert plan.num_splits <= max(1, math.ceil(tiles / min_tiles))
     else:
         assert plan.num_splits == num_splits
     # the group, padded to the next power of two

@@ -49,9 +49,15 @@ def num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, sms: int) -> int:
-    "Split each sequence's KV so that at most 4 programs per SM run, with at least MIN_TILES_PER_SPLIT tiles each."
-    wanted = 4 * sms // max(batch * num_kv_heads, 1)  # rounded down: no partial second wave (the GPU section)
-    most = max(1, triton.cdiv(triton.cdiv(max_context, block_n), MIN_TILES_PER_SPLIT))
+    """Split each sequence's KV so that at most 4 programs per SM run, with at least MIN_TILES_PER_SPLIT tiles each,
+    or half that where splits of that length would leave SMs without a program (one sequence's step)."""
+    pairs = max(batch * num_kv_heads, 1)
+    wanted = 4 * sms // pairs  # rounded down: no partial second wave (the GPU section)
+    tiles = triton.cdiv(max_context, block_n)
+    min_tiles = MIN_TILES_PER_SPLIT
+    if pairs * triton.cdiv(tiles, min_tiles) < sms:
+        min_tiles //= 2
+    most = max(1, triton.cdiv(tiles, min_tiles))
     return max(1, min(wanted, most, MAX_SPLITS))
 
 
