@@ -127,6 +127,35 @@ def test_one_tree_two_environments(tmp_path):
     assert std["A"] == 103 and std["B"] == 204
 
 
+def test_further_trees_run_in_each_round_and_compare_with_a(tmp_path, tool):
+    trees = {n: fake_tree(tmp_path / f"tree_{n}", r) for n, r in [("a", 100.0), ("b", 110.0), ("v2", 120.0)]}
+    log, out = tmp_path / "order.log", tmp_path / "ab.json"
+    done = run_tool(
+        "--tree-a",
+        str(trees["a"]),
+        "--tree-b",
+        str(trees["b"]),
+        "--tree",
+        f"v2={trees['v2']}",
+        "--runs",
+        "2",
+        "--out",
+        str(out),
+        log=log,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [line.split()[0] for line in log.read_text().splitlines()] == ["tree_a", "tree_b", "tree_v2"] * 2
+    summary = json.loads(out.read_text())
+    assert summary["order"] == ["A", "B", "v2"] * 2 and summary["arms"]["v2"]["tree"] == str(trees["v2"].resolve())
+    std = summary["medians"]["standard output tok/s"]
+    assert std["v2_runs"] == [120, 121] and std["v2"] == 120.5
+    assert std["ratio"] == pytest.approx(110.5 / 100.5) and std["ratio_v2"] == pytest.approx(120.5 / 100.5)
+    assert "v2/A" in done.stdout and "1.199" in done.stdout  # the table: 120.5 / 100.5
+    for bad in ("B=x", "v 2=x", "v2", "ratio_x=x"):
+        with pytest.raises(SystemExit, match="--tree is NAME=PATH"):
+            tool.arms(tool.parse_args(["--tree", bad])[0])
+
+
 def test_the_base_tree_from_a_commit(tmp_path, tool):
     repo = fake_tree(tmp_path / "repo", 100.0)
     (repo / "minivllm" / "data").mkdir()

@@ -5,8 +5,11 @@ environments, alternating A B A B A B (each run a fresh process), then each figu
     python tools/ab_bench.py --base-commit main --out ab.json                 # A: main's package, B: this tree's
     python tools/ab_bench.py --base-commit main --base-dir .carry/ab_base --prepare-only   # only make the base tree
     python tools/ab_bench.py --tree-a .carry/ab_base --runs 3 --max-seconds 560 --out ab.json -- --num-seqs 256
+    python tools/ab_bench.py --tree-a BASE --tree-b V1 --tree v2=V2 --tree v3=V3 --runs 2 -- --latency --skip-standard
 
-A tree is a folder that holds a `minivllm` package (by default B is this repository and A is B). Each run's
+A tree is a folder that holds a `minivllm` package (by default B is this repository and A is B); `--tree NAME=PATH`
+adds further arms, run after A and B in each round (A B v2 v3 A B v2 v3 ...), each reported against A: copies of the
+base tree with one constant changed each compare several variants in one call. Each run's
 PYTHONPATH starts with its tree and python runs with -P, so that the working directory's own `minivllm` is not the
 one imported; before the first run, each arm checks which `minivllm` it imports. `--base-commit` makes tree A from a
 commit: `git archive COMMIT minivllm | tar -x` without `minivllm/data` (the embedded tiny model, which the GPU bench
@@ -129,16 +132,18 @@ def one_run(cmd: list[str], env: dict[str, str], log: Path, timeout: float | Non
     return code, time.perf_counter() - start
 
 
-def medians(runs: list[dict]) -> dict[str, dict]:
-    "Per figure: each arm's values in run order, their medians, and B/A."
+def medians(runs: list[dict], names: tuple[str, ...] = ("A", "B")) -> dict[str, dict]:
+    "Per figure: each arm's values in run order, their medians, B/A (`ratio`) and each further arm's over A."
     table: dict[str, dict] = {}
     for run in runs:
         for name, value in run["metrics"].items():
-            table.setdefault(name, dict(A_runs=[], B_runs=[]))[f"{run['arm']}_runs"].append(value)
+            table.setdefault(name, {f"{n}_runs": [] for n in names})[f"{run['arm']}_runs"].append(value)
     for row in table.values():
-        row["A"] = statistics.median(row["A_runs"]) if row["A_runs"] else None
-        row["B"] = statistics.median(row["B_runs"]) if row["B_runs"] else None
-        row["ratio"] = row["B"] / row["A"] if row["A"] and row["B"] is not None else None
+        for n in names:
+            row[n] = statistics.median(row[f"{n}_runs"]) if row[f"{n}_runs"] else None
+        for n in names[1:]:
+            ratio = row[n] / row["A"] if row["A"] and row[n] is not None else None
+            row["ratio" if n == "B" else f"ratio_{n}"] = ratio
     return table
 
 
@@ -146,16 +151,26 @@ def fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3f}"
 
 
-def table_lines(table: dict[str, dict]) -> list[str]:
-    "The medians, B/A, and every run's figure."
-    lines = [f"{'figure':34} {'A median':>10} {'B median':>10} {'B/A':>7}   A runs | B runs"]
+def table_lines(table: dict[str, dict], names: tuple[str, ...] = ("A", "B")) -> list[str]:
+    "The medians, each arm's ratio to A (B/A first), and every run's figure."
+    ratio_keys = ["ratio" if n == "B" else f"ratio_{n}" for n in names[1:]]
+    lines = [
+        f"{'figure':34} "
+        + " ".join(f"{n + ' median':>10}" for n in names)
+        + " "
+        + " ".join(f"{n + '/A':>7}" for n in names[1:])
+        + "   "
+        + " | ".join(f"{n} runs" for n in names)
+    ]
     for name, row in table.items():
-        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
+        ratios = ["-" if row[k] is None else f"{row[k]:.3f}" for k in ratio_keys]
         lines.append(
-            f"{name:34} {fmt(row['A']):>10} {fmt(row['B']):>10} {ratio:>7}   "
-            + " ".join(map(fmt, row["A_runs"]))
-            + " | "
-            + " ".join(map(fmt, row["B_runs"]))
+            f"{name:34} "
+            + " ".join(f"{fmt(row[n]):>10}" for n in names)
+            + " "
+            + " ".join(f"{r:>7}" for r in ratios)
+            + "   "
+            + " | ".join(" ".join(map(fmt, row[f"{n}_runs"])) for n in names)
         )
     return lines
 
@@ -168,11 +183,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     ap.add_argument("--tree-a", type=Path, default=None, help="A's package tree (default: B's, or --base-commit's)")
     ap.add_argument("--tree-b", type=Path, default=ROOT, help="B's package tree (default: this repository)")
+    ap.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a further arm (name: letters, digits, _) and its package tree, run after A and B in each round",
+    )
     ap.add_argument("--base-commit", default=None, help="make tree A from this commit of --repo (git archive)")
     ap.add_argument("--base-dir", type=Path, default=None, help="where --base-commit's tree goes (default: a temp dir)")
     ap.add_argument("--prepare-only", action="store_true", help="make --base-commit's tree in --base-dir and stop")
     ap.add_argument("--repo", type=Path, default=ROOT, help="the repository --base-commit is read from")
-    ap.add_argument("--env", action="append", default=[], metavar="K=V", help="for both arms")
+    ap.add_argument("--env", action="append", default=[], metavar="K=V", help="for every arm")
     ap.add_argument("--env-a", action="append", default=[], metavar="K=V", help="for A's runs only")
     ap.add_argument("--env-b", action="append", default=[], metavar="K=V", help="for B's runs only")
     ap.add_argument("--runs", type=int, default=3, help="runs of each arm, alternated A B A B ... (default 3)")
@@ -209,10 +231,19 @@ def arms(args: argparse.Namespace) -> dict[str, dict]:
         print(f"tree A: {args.base_commit} ({commit_a[:12]}) in {tree_a}", flush=True)
     elif (tree_a / "AB_BASE_COMMIT").is_file():
         commit_a = (tree_a / "AB_BASE_COMMIT").read_text().strip()
-    return dict(
+    plan = dict(
         A=dict(tree=tree_a, env={**common, **parse_env(args.env_a)}, commit=commit_a),
         B=dict(tree=tree_b, env={**common, **parse_env(args.env_b)}, commit=None),
     )
+    for item in args.tree:
+        name, sep, path = item.partition("=")
+        if not sep or not path or not name.replace("_", "").isalnum() or name in plan or name.startswith("ratio"):
+            raise SystemExit(f"ab_bench: --tree is NAME=PATH with a new name of letters, digits and _, got {item!r}")
+        tree = Path(path).resolve()
+        stamp = tree / "AB_BASE_COMMIT"
+        commit = stamp.read_text().strip() if stamp.is_file() else None
+        plan[name] = dict(tree=tree, env=dict(common), commit=commit)
+    return plan
 
 
 def fits(args: argparse.Namespace, started: float, done: list[dict], runs_needed: int) -> bool:
@@ -238,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     work = (args.work_dir or Path(tempfile.mkdtemp(prefix="ab_bench_"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    order = ["A", "B"] * args.runs
+    names = tuple(plan)
+    order = list(names) * args.runs
     summary = dict(
         bench_args=bench,
         bench_cmd=base_cmd,
@@ -251,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         stopped=None,
     )
     for index, arm in enumerate(order, 1):
-        if not fits(args, started, summary["runs"], 2 if arm == "A" else 1):  # (an A run starts a pair)
+        if not fits(args, started, summary["runs"], len(names) if arm == "A" else 1):  # (an A run starts a round)
             summary["stopped"] = f"--max-seconds {args.max_seconds}: no time for run {index}"
             break
         out, log = work / f"run{index}_{arm}.json", work / f"run{index}_{arm}.log"
@@ -274,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             log_tail=log.read_text(errors="replace").splitlines()[-15:],
         )
         summary["runs"].append(entry)
-        summary["medians"] = medians([r for r in summary["runs"] if r["returncode"] == 0])
+        summary["medians"] = medians([r for r in summary["runs"] if r["returncode"] == 0], names)
         if args.out:
             args.out.write_text(json.dumps(summary, indent=1) + "\n")
         figures = ", ".join(f"{k} {fmt(v)}" for k, v in entry["metrics"].items())
@@ -291,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["complete"] = all(r["returncode"] == 0 for r in summary["runs"])
     if args.out:
         args.out.write_text(json.dumps(summary, indent=1) + "\n")
-    print("\n".join(table_lines(summary["medians"])))
+    print("\n".join(table_lines(summary["medians"], tuple(plan))))
     print(
         f"runs: {len(summary['runs'])} of {len(order)} in {time.perf_counter() - started:.0f} s"
         + (f"; stopped: {summary['stopped']}" if summary["stopped"] else "")
