@@ -63,8 +63,7 @@ def _rows_kernel(
 
 
 @triton.jit
-def _dot_kernel(
-    y_ptr,
+def _dot_slice(
     x_ptr,
     w_ptr,
     M,
@@ -74,10 +73,9 @@ def _dot_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr,
 ):
-    pdl_launch_next(PDL)
+    "Column block program_id(0), K slice program_id(1): its float32 product [BLOCK_M, BLOCK_N], rows, columns, mask."
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, BLOCK_M)
@@ -95,6 +93,26 @@ def _dot_kernel(
         x = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=(rows < M)[:, None] & (kk < K)[None, :], other=0.0)
         acc = tl.dot(x, w, acc)
     mask = (rows < M)[:, None] & (n < N)[None, :]
+    return acc, rows, n, mask
+
+
+@triton.jit
+def _dot_kernel(
+    y_ptr,
+    x_ptr,
+    w_ptr,
+    M,
+    N,
+    K,
+    K_SPLIT,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pdl_launch_next(PDL)
+    acc, rows, n, mask = _dot_slice(x_ptr, w_ptr, M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, PDL)
     if ATOMIC:
         tl.atomic_add(y_ptr + rows[:, None] * N + n[None, :], acc, mask=mask, sem="relaxed")
     else:
@@ -159,23 +177,7 @@ def _splitk_kernel(
     pdl_launch_next(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    rows = tl.arange(0, BLOCK_M)
-    start = pid_k * K_SPLIT
-    kk = start + k
-    w = tl.load(w_ptr + n[None, :].to(tl.int64) * K + kk[:, None], mask=(n < N)[None, :] & (kk < K)[:, None], other=0.0)
-    pdl_wait(PDL)
-    x = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=(rows < M)[:, None] & (kk < K)[None, :], other=0.0)
-    acc = tl.dot(x, w)
-    for k0 in range(start + BLOCK_K, start + K_SPLIT, BLOCK_K):
-        kk = k0 + k
-        w = tl.load(
-            w_ptr + n[None, :].to(tl.int64) * K + kk[:, None], mask=(n < N)[None, :] & (kk < K)[:, None], other=0.0
-        )
-        x = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=(rows < M)[:, None] & (kk < K)[None, :], other=0.0)
-        acc = tl.dot(x, w, acc)
-    mask = (rows < M)[:, None] & (n < N)[None, :]
+    acc, rows, n, mask = _dot_slice(x_ptr, w_ptr, M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, PDL)
     offs = rows[:, None] * N + n[None, :]
     tl.store(part_ptr + pid_k * BLOCK_M * N + offs, acc, mask=mask)
     tl.debug_barrier()  # every thread's partial written before the counter says so
@@ -189,24 +191,7 @@ def _splitk_kernel(
 
 
 def rows2_mm(x, w, bn=2, bk=512, warps=4, pdl=False):
-    M, K = x.shape
-    N = w.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _rows2_kernel[(triton.cdiv(N, bn),)](
-        y,
-        x,
-        w,
-        M,
-        N,
-        K,
-        BLOCK_M=triton.next_power_of_2(M),
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        num_warps=warps,
-        PDL=pdl,
-        launch_pdl=pdl,
-    )
-    return y
+    return rows_mm(x, w, bn, bk, warps, pdl, kernel=_rows2_kernel)
 
 
 _SCRATCH: dict = {}
@@ -249,11 +234,11 @@ def splitk_mm(x, w, bn=32, bk=128, splits=4, stages=3, warps=4, pdl=False):
     return y
 
 
-def rows_mm(x, w, bn=4, bk=1024, warps=4, pdl=False):
+def rows_mm(x, w, bn=4, bk=1024, warps=4, pdl=False, kernel=_rows_kernel):
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _rows_kernel[(triton.cdiv(N, bn),)](
+    kernel[(triton.cdiv(N, bn),)](
         y,
         x,
         w,
