@@ -78,18 +78,20 @@ def main() -> None:
     ap.add_argument("--shapes", default="8x1024,32x1024", help="batch x context, comma-separated")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--capacity", type=int, default=4096, help="the block table's width in tokens, as the engine's")
-    ap.add_argument("--tiles", default="32,64,128")
+    ap.add_argument("--tiles", default="64,128,32")
     ap.add_argument("--warps", default="4,8")
-    ap.add_argument("--stages", default="2,3")
-    ap.add_argument("--splits", default="1,2,4,8,16,32")
-    ap.add_argument("--seconds", type=float, default=400, help="stop starting new configurations after this")
+    ap.add_argument("--stages", default="3,2")
+    ap.add_argument("--splits", default="1,2,4,8,16")
+    ap.add_argument(
+        "--seconds", type=float, default=400, help="for all shapes: each stops starting configurations after its share"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_layers_sweep.py times the kernel on a CUDA GPU; none is visible")
-    start, results = time.time(), []
+    results, shapes = [], args.shapes.split(",")
     sms = decode_plan.num_sms(torch.device("cuda"))
-    for shape in args.shapes.split(","):
-        batch, context = map(int, shape.split("x"))
+    for shape in shapes:
+        start, batch, context = time.time(), *map(int, shape.split("x"))
         case = layered_case(batch, context, args.layers)
         plan = decode_plan.choose_num_splits(batch, KV_HEADS, args.capacity, decode_plan.DECODE_BLOCK_N, sms)
         default = dict(
@@ -102,7 +104,7 @@ def main() -> None:
         grid = itertools.product(ints(args.tiles), ints(args.warps), ints(args.stages), ints(args.splits))
         configs = [default] + [dict(block_n=n, num_warps=w, num_stages=s, num_splits=p) for n, w, s, p in grid]
         for i, cfg in enumerate(configs):
-            if time.time() - start > args.seconds:
+            if time.time() - start > args.seconds / len(shapes):
                 print("time budget spent: stopping", flush=True)
                 break
             if i and cfg == default:
