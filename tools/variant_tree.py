@@ -1,0 +1,127 @@
+"""A copy of the package that differs from it in chosen ways, for `tools/ab_bench.py --tree NAME=DEST`: trials of
+issue 52's small batches measured in the engine beside main, in one call, before any of them goes into the notebooks.
+
+    python tools/variant_tree.py DEST --decode-launch-from SWEEP.json   # the fastest launch a sweep found, per batch
+    python tools/variant_tree.py DEST --decode-launch 8=64,4,3,4        # batch=tile,warps,stages,splits (repeatable)
+    python tools/variant_tree.py DEST --few-row 16     # 2 to 16 rows: tensor-core products launched early (below)
+    python tools/variant_tree.py DEST --fused-gate-up 64   # 2 to 64 rows: gate/up product and SiLU in one kernel
+    python tools/variant_tree.py DEST --src OTHER_TREE ...  # start from another tree (default: this repository)
+
+The edits, each on a CUDA device only (a CPU run is the package's):
+- `--decode-launch[-from]`: the decode kernel of a bfloat16 cache without a shared prefix takes this tile, warps,
+  stages and splits at these batch sizes (`tools/decode_layers_sweep.py` writes SWEEP.json).
+- `--few-row N`: products of 2 to N rows (not the LM head) take `tools/few_row_bench.py`'s kernels launched early:
+  `dot` in 64 x 256 tiles where K <= 1,024 (qkv, gate/up), split-K in 8 otherwise (o, down), the fastest at 8 rows
+  on an H100 (figures/52_few_row_splitk_h100.json); and every kernel of the package launches early up to N rows
+  (`PDL_MAX_ROWS`), so the kernel before each product starts it early too.
+- `--fused-gate-up N`: the MLP of 2 to N rows runs `tools/gate_up_silu_bench.py`'s fused kernel in 16 x 64 x 128
+  tiles (8.0 against 9.1-9.3 us at 8 and 32 rows as graph replays, figures/52_gate_up_silu_graphs_h100.json).
+The tools' modules are copied to DEST's top level, beside `minivllm`, where the edited package imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = Path(__file__).resolve().parent
+
+
+def replace_once(path: Path, old: str, new: str) -> None:
+    "Replace the one occurrence of `old` in `path` by `new`; an anchor that moved is an error, not a silent no-op."
+    text = path.read_text()
+    if text.count(old) != 1:
+        raise SystemExit(f"variant_tree: expected one {old.strip()[:60]!r} in {path}, found {text.count(old)}")
+    path.write_text(text.replace(old, new))
+
+
+def best_launches(sweep: dict) -> dict[int, list[int]]:
+    "The fastest (block_n, num_warps, num_stages, num_splits) of each batch size in a decode_layers_sweep results file."
+    best: dict[int, dict] = {}
+    for r in sweep["results"]:
+        if r["batch"] not in best or r["us"] < best[r["batch"]]["us"]:
+            best[r["batch"]] = r
+    return {b: [r["block_n"], r["num_warps"], r["num_stages"], r["num_splits"]] for b, r in best.items()}
+
+
+def edit_decode_launch(tree: Path, launches: dict[int, list[int]]) -> None:
+    old = "    block_n = block_n or (DECODE_BLOCK_N_8BIT if eight_bit else DECODE_BLOCK_N)\n"
+    new = (
+        f"    trial = {launches!r}.get(batch) if q.is_cuda and not eight_bit and not cascade else None\n"
+        "    if trial:  # (tools/variant_tree.py --decode-launch)\n"
+        "        block_n, num_warps = block_n or trial[0], num_warps or trial[1]\n"
+        "        num_stages, num_splits = num_stages or trial[2], num_splits or trial[3]\n"
+    )
+    replace_once(tree / "minivllm/kernels/paged_decode.py", old, new + old)
+
+
+def edit_few_row(tree: Path, rows: int) -> None:
+    shutil.copy(TOOLS / "few_row_bench.py", tree / "few_row_bench.py")
+    old = "    rows = 0 if packed is None else x.numel() // max(x.shape[-1], 1)"
+    new = (
+        f"    few = x.is_cuda and bias is None and x.dim() == 2 and 2 <= x.shape[0] <= {rows}\n"
+        "    if few and weight.shape[0] <= 8192:  # (not the LM head)\n"
+        "        import few_row_bench  # (tools/variant_tree.py --few-row)\n\n"
+        "        if weight.shape[1] <= 1024:\n"
+        "            return few_row_bench.dot_mm(x, weight, bn=64, bk=256, stages=4, pdl=True)\n"
+        "        return few_row_bench.splitk_mm(x, weight, bn=64, bk=256, splits=8, pdl=True)\n"
+    )
+    replace_once(tree / "minivllm/layers/linear.py", old, new + old)
+    replace_once(tree / "minivllm/kernels/common.py", "PDL_MAX_ROWS = 1 ", f"PDL_MAX_ROWS = {rows} ")
+
+
+def edit_fused_gate_up(tree: Path, rows: int) -> None:
+    for name in ("gate_up_silu_bench.py", "kernel_variants.py"):
+        shutil.copy(TOOLS / name, tree / name)
+    old = "        return self.down_proj(self.act_fn(gate_up(x)))\n"
+    new = (
+        f"        if x.is_cuda and x.dim() == 2 and 2 <= x.shape[0] <= {rows} and gate_up.bias is None:\n"
+        "            import gate_up_silu_bench  # (tools/variant_tree.py --fused-gate-up)\n\n"
+        "            return self.down_proj(gate_up_silu_bench.gate_up_silu(x, gate_up.weight, (16, 64, 128, 4, 4)))\n"
+    )
+    replace_once(tree / "minivllm/models/qwen3.py", old, new + old)
+
+
+def make_tree(dest: Path, src: Path = ROOT, launches=None, few_row: int = 0, fused_gate_up: int = 0) -> Path:
+    "Copy `src`'s package (without the embedded tiny model's data) to `dest` and apply the chosen edits."
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(src / "minivllm", dest / "minivllm", ignore=shutil.ignore_patterns("data", "__pycache__"))
+    if launches:
+        edit_decode_launch(dest, launches)
+    if few_row:
+        edit_few_row(dest, few_row)
+    if fused_gate_up:
+        edit_fused_gate_up(dest, fused_gate_up)
+    edits = dict(decode_launch=launches or {}, few_row=few_row, fused_gate_up=fused_gate_up, src=str(src))
+    (dest / "variant.json").write_text(json.dumps(edits, indent=1))
+    return dest
+
+
+def parse_launch(text: str) -> tuple[int, list[int]]:
+    batch, values = text.split("=")
+    launch = [int(v) for v in values.split(",")]
+    if len(launch) != 4:
+        raise argparse.ArgumentTypeError(f"--decode-launch takes batch=tile,warps,stages,splits, got {text!r}")
+    return int(batch), launch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dest", type=Path)
+    ap.add_argument("--src", type=Path, default=ROOT, help="the tree to copy (default: this repository)")
+    ap.add_argument("--decode-launch", type=parse_launch, action="append", default=[], metavar="B=N,W,S,P")
+    ap.add_argument("--decode-launch-from", type=Path, default=None, metavar="SWEEP.json")
+    ap.add_argument("--few-row", type=int, default=0, metavar="N")
+    ap.add_argument("--fused-gate-up", type=int, default=0, metavar="N")
+    args = ap.parse_args()
+    launches = best_launches(json.loads(args.decode_launch_from.read_text())) if args.decode_launch_from else {}
+    launches.update(dict(args.decode_launch))
+    tree = make_tree(args.dest, args.src, launches, args.few_row, args.fused_gate_up)
+    print(f"{tree}: {(tree / 'variant.json').read_text()}")
+
+
+if __name__ == "__main__":
+    main()
