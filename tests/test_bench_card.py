@@ -108,3 +108,17 @@ def test_the_benchmark_takes_vllms_speculative_config(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--speculative-config", "{method: ngram"])
     assert "--speculative-config" in capsys.readouterr().err
+
+
+def test_an_8_bit_cache_bound_reads_one_byte_a_cached_number():
+    from minivllm.bench.models import cache_bytes
+
+    lens, outs = [256] * 64, [512] * 64
+    wide = roofline(QWEN3_0_6B, lens, outs, H200_BANDWIDTH, H200_FLOPS)
+    assert roofline(QWEN3_0_6B, lens, outs, H200_BANDWIDTH, H200_FLOPS, kv_bytes=2) == wide
+    narrow = roofline(QWEN3_0_6B, lens, outs, H200_BANDWIDTH, H200_FLOPS, kv_bytes=cache_bytes("fp8"))
+    assert narrow["prefill_s"] == wide["prefill_s"] and narrow["decode_s"] < wide["decode_s"]
+    # each decode step: the weights' bytes, then the cache's, halved (every step here is bandwidth-bound)
+    weights = roofline(QWEN3_0_6B, lens, outs, H200_BANDWIDTH, H200_FLOPS, kv_bytes=0)["decode_s"]
+    assert narrow["decode_s"] - weights == pytest.approx((wide["decode_s"] - weights) / 2)
+    assert [cache_bytes(d) for d in ("auto", "fp8", "fp8_e4m3", None)] == [None, 1, 1, None]

@@ -23,7 +23,7 @@ from dataclasses import asdict
 import torch
 
 from .card import H200_BANDWIDTH, H200_FLOPS, card_line, environment, measure_card
-from .models import ARCHS, config_folder, random_qwen3_folder, roofline
+from .models import ARCHS, cache_bytes, config_folder, random_qwen3_folder, roofline
 from .runs import BenchResult, run_minivllm, run_transformers, shared_prefix_workload, standard_workload
 
 # %% auto #0
@@ -168,8 +168,9 @@ def run_workloads(args: argparse.Namespace, model: str, spec: dict, engine_kwarg
     "The standard workload (with its bound), then, if asked, the side by side, the shared prefix, the latency."
     if not args.skip_standard:
         prompts, outs = standard_workload(args.num_seqs, args.max_input, args.max_output, args.seed)
-        bound = roofline(spec, list(map(len, prompts)), outs, args.bandwidth, args.flops)
-        h200 = roofline(spec, list(map(len, prompts)), outs, H200_BANDWIDTH, H200_FLOPS)
+        lens, kv_bytes = list(map(len, prompts)), cache_bytes(args.kv_cache_dtype)
+        bound = roofline(spec, lens, outs, args.bandwidth, args.flops, kv_bytes=kv_bytes)
+        h200 = roofline(spec, lens, outs, H200_BANDWIDTH, H200_FLOPS, kv_bytes=kv_bytes)
         result, trace = run_minivllm(model, prompts, outs, "standard", args.temperature, **engine_kwargs)
         report.add(result, bound, trace, h200)
         if (host := host_time_per_decode_step(trace, 256)) is not None:

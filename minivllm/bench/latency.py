@@ -11,7 +11,7 @@ import time
 
 from .card import H200_BANDWIDTH, H200_FLOPS
 from .load import random_prompts
-from .models import roofline
+from .models import cache_bytes, roofline
 
 
 def spec_prompts(spec: dict, n: int, length: int, seed: int) -> list[list[int]]:
@@ -38,16 +38,18 @@ def decode_step_table(
     steps: int = 64,
     bandwidth: float = 4.3e12,
     flops: float = 790e12,
+    kv_bytes: int | None = None,
 ) -> list[dict]:
     """Per batch size: the median decode step (wall and host time, ms) of `batch` x `context` tokens, and its bound
-    (at `bandwidth` and `flops`, and at the H200's fixed rates)."""
+    (at `bandwidth` and `flops`, and at the H200's fixed rates; `kv_bytes`: bytes of a cached number, as in `roofline`)."""
     rows = []
     for batch in batches:
         prompts = spec_prompts(spec, batch, context, seed=batch)
         trace, _ = traced_generate(llm, prompts, steps + 1)
         decode = [r for r in trace if r.is_decode_only and len(r.seq_ids) == batch]
         lens = [context + steps // 2] * batch
-        bound = roofline(spec, lens, [1] * batch, bandwidth, flops)["decode_s"]
+        bound = roofline(spec, lens, [1] * batch, bandwidth, flops, kv_bytes=kv_bytes)["decode_s"]
+        h200 = roofline(spec, lens, [1] * batch, H200_BANDWIDTH, H200_FLOPS, kv_bytes=kv_bytes)["decode_s"]
         rows.append(
             dict(
                 batch=batch,
@@ -56,7 +58,7 @@ def decode_step_table(
                 step_ms=1e3 * statistics.median(r.duration for r in decode),
                 host_ms=1e3 * statistics.median(r.duration - r.wait for r in decode),
                 bound_ms=1e3 * bound,
-                h200_bound_ms=1e3 * roofline(spec, lens, [1] * batch, H200_BANDWIDTH, H200_FLOPS)["decode_s"],
+                h200_bound_ms=1e3 * h200,
             )
         )
     return rows
@@ -112,7 +114,9 @@ def run_latency(model: str, spec: dict, engine_kwargs: dict, bandwidth: float = 
             traced_generate(llm, spec_prompts(spec, batch, 1024, seed=99 + batch), 8)
         result = dict(
             single_stream=single_stream(llm, spec),
-            decode_steps=decode_step_table(llm, spec, bandwidth=bandwidth, flops=flops),
+            decode_steps=decode_step_table(
+                llm, spec, bandwidth=bandwidth, flops=flops, kv_bytes=cache_bytes(engine_kwargs.get("kv_cache_dtype"))
+            ),
         )
     finally:
         llm.close()

@@ -60,7 +60,7 @@ ARCHS = {  # --arch: released architectures, run with seeded random weights (loa
 }
 
 # %% auto #0
-__all__ = ["QWEN3_0_6B", "ARCHS", "moe_terms", "roofline", "random_qwen3_folder", "config_folder"]
+__all__ = ["QWEN3_0_6B", "ARCHS", "moe_terms", "roofline", "cache_bytes", "random_qwen3_folder", "config_folder"]
 
 
 # %% ../../notebooks/deep_dives/13_benchmark_harness.ipynb #04c126d8
@@ -82,10 +82,12 @@ def roofline(
     bandwidth: float = 4.3e12,
     flops: float = 790e12,
     bytes_per_param: int = 2,
+    kv_bytes: int | None = None,
 ) -> dict:
     """Lower bound on the time: prefill at the matrix rate; each decode step moves the weights it uses and every KV
-    cache read. A mixture of experts counts only the experts a step's tokens use (`num_experts_per_tok` per token,
-    the expected distinct experts of a batch under uniform routing)."""
+    cache read, at `kv_bytes` a cached number (default `bytes_per_param`; 1 for an 8-bit cache). A mixture of experts
+    counts only the experts a step's tokens use (`num_experts_per_tok` per token, the expected distinct experts of a
+    batch under uniform routing)."""
     h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     hd = config.get("head_dim") or h // config["num_attention_heads"]
     qd, kvd = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
@@ -95,7 +97,7 @@ def roofline(
     fixed = layers * attn + (layers - moe_layers) * 3 * h * config["intermediate_size"] + moe_layers * h * experts
     matmul_params = fixed + moe_layers * k * expert + vocab * h  # used by one token
     head_bytes = 0 if config.get("tie_word_embeddings") else vocab * h
-    kv_per_token = layers * 2 * kvd * bytes_per_param
+    kv_per_token = layers * 2 * kvd * (bytes_per_param if kv_bytes is None else kv_bytes)
     attn_flops = 4 * layers * qd
     prefill = (sum(prompt_lens) * 2 * matmul_params + sum(attn_flops * n * n / 2 for n in prompt_lens)) / flops
     decode = 0.0
@@ -109,6 +111,11 @@ def roofline(
         )
     total = prefill + decode
     return dict(prefill_s=prefill, decode_s=decode, total_s=total, max_output_tok_s=sum(output_lens) / total)
+
+
+def cache_bytes(kv_cache_dtype: str | None) -> int | None:
+    "Bytes of a cached K/V number under the engine's `kv_cache_dtype`: 1 for an 8-bit cache, else None (the model's)."
+    return 1 if kv_cache_dtype in ("fp8", "fp8_e4m3") else None
 
 
 # %% ../../notebooks/deep_dives/13_benchmark_harness.ipynb #b177bac1
