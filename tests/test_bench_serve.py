@@ -291,3 +291,41 @@ def test_sigterm_stops_the_server_and_keeps_the_results(tmp_path):
     bench.send_signal(signal.SIGTERM)  # (as `timeout` does): the server goes too, and the JSON is written
     assert bench.wait(40) == 143 and port_is_free(port)
     assert json.loads(out.read_text())["servers"][0]["backend"] == "minivllm"
+
+
+HEALTH_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_port_taken_before_the_server_binds_it_moves_the_server_to_another(tmp_path, monkeypatch):
+    import socket
+
+    from minivllm.bench import servers
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        ports = iter([taken.getsockname()[1], servers.free_port()])
+        monkeypatch.setattr(servers, "free_port", lambda: next(ports))
+        log, tried = tmp_path / "server.log", []
+
+        def command(port):
+            tried.append(port)
+            return [sys.executable, "-c", HEALTH_SERVER, str(port)]
+
+        with servers.server_on_free_port(command, str(log), startup_timeout=60) as url:
+            assert servers.healthy(url) and url.endswith(f":{tried[-1]}")
+        assert len(tried) == 2 and tried[0] == taken.getsockname()[1]
+        assert "address already in use" in log.read_text().lower()
+        with pytest.raises(servers.PortTaken, match="(?i)address already in use"):  # every port taken
+            monkeypatch.setattr(servers, "free_port", lambda: taken.getsockname()[1])
+            with servers.server_on_free_port(command, str(log), startup_timeout=60, tries=2):
+                pass

@@ -41,7 +41,7 @@ def decode_step_table(
     kv_bytes: int | None = None,
 ) -> list[dict]:
     """Per batch size: the median decode step (wall and host time, ms) of `batch` x `context` tokens, and its bound
-    (at `bandwidth` and `flops`, and at the H200's fixed rates; `kv_bytes`: bytes of a cached number, as in `roofline`)."""
+    (at `bandwidth` and `flops`, and at the H200's fixed rates; `kv_bytes` as in `roofline`)."""
     rows = []
     for batch in batches:
         prompts = spec_prompts(spec, batch, context, seed=batch)

@@ -26,7 +26,7 @@ from dataclasses import asdict
 from .card import environment
 from .load import poisson_arrivals, random_prompts, run_async, run_rate, summarize
 from .models import random_qwen3_folder
-from .servers import BACKENDS, free_port, server, with_word_tokenizer
+from .servers import BACKENDS, server_on_free_port, with_word_tokenizer
 
 # %% auto #0
 __all__ = [
@@ -158,16 +158,17 @@ def bench_backend(args: argparse.Namespace, backend: str, model: str, report: di
     with open(os.path.join(model, "config.json")) as f:
         vocab = min(json.load(f)["vocab_size"], len(tokenizer) if tokenizer is not None else math.inf)
     skip = set(tokenizer.all_special_ids) if tokenizer is not None else set()
-    port, log = free_port(), args.server_log or os.path.join(tempfile.gettempdir(), "minivllm-bench-{backend}.log")
-    cmd = None if args.base_url else server_command(args, backend, model, port)
-    entry = dict(
-        backend=backend,
-        server_cmd=cmd and shlex.join(cmd),
-        base_url=args.base_url,
-        prompt_format="ids" if tokenizer is None else "text",
-    )
+    log = args.server_log or os.path.join(tempfile.gettempdir(), "minivllm-bench-{backend}.log")
+    entry = dict(backend=backend, server_cmd=None, base_url=args.base_url, prompt_format="text" if tokenizer else "ids")
     report["servers"].append(entry)
-    running = server(cmd, port, log.format(backend=backend), args.server_timeout) if cmd else nullcontext(args.base_url)
+
+    def command(port: int) -> list[str]:  # (the port the server gets: another one if a process takes it first)
+        cmd = server_command(args, backend, model, port)
+        entry["server_cmd"] = shlex.join(cmd)
+        return cmd
+
+    running = server_on_free_port(command, log.format(backend=backend), args.server_timeout)
+    running = nullcontext(args.base_url) if args.base_url else running
     with running as url:
         warm = random_prompts(args.warmup, args.input_len, vocab, -1, skip)
         warm, _ = run_async(run_rate(url, request_bodies(args, backend, warm, tokenizer, 16), [0.0] * len(warm)))

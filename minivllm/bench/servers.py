@@ -12,7 +12,7 @@ import signal
 import socket
 import subprocess
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 BACKENDS = {  # how --backend X starts its server ({python}, {model}, {port}), and what its requests add
     "minivllm": dict(
@@ -35,15 +35,20 @@ def free_port() -> int:
 
 
 # %% auto #0
-__all__ = ["BACKENDS", "free_port", "server", "healthy", "with_word_tokenizer"]
+__all__ = ["BACKENDS", "free_port", "PortTaken", "server", "server_on_free_port", "healthy", "with_word_tokenizer"]
 
 
 # %% ../../notebooks/deep_dives/13_serving_benchmark.ipynb #40be62d2
+class PortTaken(RuntimeError):
+    "The server could not bind its port: another process took it between `free_port` and the server's start."
+
+
 @contextmanager
 def server(cmd: list[str], port: int, log_path: str, startup_timeout: float = 600.0, grace: float = 15.0):
     "Start `cmd`; once GET /health answers 200, yield its URL (its exit or the deadline: an error); always stop it."
     url, env = f"http://127.0.0.1:{port}", dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1")
     with open(log_path, "ab") as log:
+        start = log.tell()  # (this start's lines: the log may hold an earlier one's)
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
         )  # (its own process group, so that it is stopped whole)
@@ -54,10 +59,13 @@ def server(cmd: list[str], port: int, log_path: str, startup_timeout: float = 60
                 why = (
                     f"exited ({proc.returncode})" if proc.poll() is not None else f"not healthy in {startup_timeout} s"
                 )
-                with open(log_path, errors="replace") as log:
-                    raise RuntimeError(
-                        f"the server {why}; the end of its log {log_path}:\n{''.join(log.readlines()[-20:])}"
-                    )
+                with open(log_path, "rb") as log:
+                    log.seek(start)
+                    tail = "".join(log.read().decode(errors="replace").splitlines(keepends=True)[-20:])
+                taken = proc.poll() is not None and "address already in use" in tail.lower()
+                raise (PortTaken if taken else RuntimeError)(
+                    f"the server {why}; the end of its log {log_path}:\n{tail}"
+                )
             time.sleep(0.5)
         yield url
     finally:
@@ -68,6 +76,24 @@ def server(cmd: list[str], port: int, log_path: str, startup_timeout: float = 60
                     proc.wait(grace)
                 except subprocess.TimeoutExpired:
                     pass
+
+
+@contextmanager
+def server_on_free_port(command, log_path: str, startup_timeout: float = 600.0, tries: int = 3):
+    """`server(command(port), port, ...)` on a free port, and on another one if a process takes the port before the
+    server binds it (a busy machine opens ports all the time), up to `tries` ports; yields the URL."""
+    for attempt in range(tries):
+        port = free_port()
+        stack = ExitStack()
+        try:
+            url = stack.enter_context(server(command(port), port, log_path, startup_timeout))
+        except PortTaken:
+            if attempt + 1 == tries:
+                raise
+            continue
+        with stack:
+            yield url
+        return
 
 
 def healthy(url: str) -> bool:
