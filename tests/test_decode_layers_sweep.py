@@ -3,21 +3,14 @@ interpreter) every tile, warp, stage and split choice the sweep times gives the 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "decode_layers_sweep.py"
+from _tools import load_tool
 
 
 @pytest.fixture(scope="module")
 def sweep():
-    spec = importlib.util.spec_from_file_location("decode_layers_sweep", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("decode_layers_sweep")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter check; on a GPU the tool measures instead")

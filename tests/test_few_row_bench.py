@@ -3,21 +3,14 @@ candidate kernel gives x @ W^T, for row counts on and off its tile sizes and wit
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "few_row_bench.py"
+from _tools import load_tool
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("few_row_bench", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("few_row_bench")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter check; on a GPU the tool measures instead")

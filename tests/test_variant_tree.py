@@ -4,7 +4,6 @@ where none of the edits applies."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,17 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from _tools import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "variant_tree.py"
 
 
 @pytest.fixture(scope="module")
 def variant_tree():
-    spec = importlib.util.spec_from_file_location("variant_tree", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("variant_tree")
 
 
 def test_the_sweeps_fastest_launch_per_batch(variant_tree):
