@@ -20,7 +20,6 @@ from pathlib import Path
 
 import _net
 import pytest
-from _net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ["00_tour.ipynb", "02_block_manager.ipynb", "03_scheduler.ipynb"]
@@ -75,13 +74,13 @@ def lab(tmp_path_factory):
     subprocess.run(
         [trust, *map(str, (work / "notebooks").glob("*.ipynb"))], env=env, check=True, timeout=120, capture_output=True
     )  # may render widgets (the players) before any cell runs
-    port, token = free_port(), "minivllm-browser-test"
+    token = "minivllm-browser-test"
     cmd = [
         sys.executable,
         "-m",
         "jupyterlab",
         "--no-browser",
-        f"--port={port}",
+        "--ServerApp.port_retries=0",  # (a port taken: exit, and start_server tries another)
         "--ip=127.0.0.1",
         f"--ServerApp.token={token}",
         f"--ServerApp.root_dir={work}",  # as `make lab`: the notebooks' links to ../figures resolve
@@ -92,25 +91,17 @@ def lab(tmp_path_factory):
     ]
     if hasattr(os, "getuid") and os.getuid() == 0:
         cmd.append("--allow-root")
-    server = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        try:
-            with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return server.poll() is not None and pytest.fail(f"JupyterLab exited with code {server.returncode}")
-
+    log = work / "jupyterlab.log"
+    health = f"/api/status?token={token}"
+    server, url = _net.start_server(lambda port: [*cmd, f"--port={port}"], log, 120, health=health, cwd=work, env=env)
     try:
-        wait_for(up, 120, "JupyterLab to start")
         yield url, token
     finally:
         server.terminate()
         try:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            server.kill()
+            _net.kill_group(server)
 
 
 @pytest.fixture(scope="module")
@@ -219,10 +210,11 @@ return Array.from(node.querySelectorAll('.jp-OutputArea-output img, .jp-Rendered
 """
 
 
-# the open notebook's document is loaded and its cells drawn (its kernel may still be starting: not needed here)
-LOADED = """
-const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
-return Boolean(panel && panel.context && panel.context.isReady && panel.content && panel.content.widgets.length);
+# the notebook at arguments[0] is the open one, loaded and drawn
+LOADED_PATH = """
+const panel = window.jupyterapp.shell.currentWidget;
+return Boolean(panel && panel.context && panel.context.path === arguments[0] && panel.context.isReady
+  && panel.content && panel.content.widgets.length);
 """
 
 
@@ -249,13 +241,38 @@ def with_pictures() -> list[str]:
     return [p.relative_to(ROOT / "notebooks").as_posix() for p in paths if stored_pictures(p)]
 
 
+# JupyterLab has restored its layout and can open documents
+READY = """
+const app = window.jupyterapp;
+return Boolean(app && app.commands.hasCommand('docmanager:open') && app.shell.isRestored !== false);
+"""
+
+# open a notebook in the page as "Notebook (no kernel)" does (no page load, no kernel started)
+OPEN_STORED = """
+const [path, done] = arguments;
+window.jupyterapp.commands.execute('docmanager:open',
+  {path, factory: 'Notebook', kernelPreference: {shouldStart: false, shouldReuse: false}})
+  .then(() => done(null), e => done(String(e)));
+"""
+
+# close the open notebook unsaved, without asking (it was only looked at)
+DISCARD = """
+const panel = window.jupyterapp.shell.currentWidget;
+panel.context.model.dirty = false;
+panel.dispose();
+"""
+
+
 @pytest.mark.timeout(1500)
 def test_every_stored_picture_renders(lab, browser):
     url, token = lab
+    browser.get(f"{url}/lab?reset&token={token}")
+    wait_for(lambda: browser.execute_script(READY), 120, "JupyterLab to be ready")
     checked = []
     for name in with_pictures():
-        browser.get(f"{url}/lab/tree/notebooks/{name}?reset&token={token}")
-        wait_for(lambda: browser.execute_script(LOADED), 120, f"{name} to load")
+        path = f"notebooks/{name}"
+        assert browser.execute_async_script(OPEN_STORED, path) is None
+        wait_for(functools.partial(browser.execute_script, LOADED_PATH, path), 120, f"{name} to load")
         errors = browser.execute_script(STORED_ERRORS)
         assert not errors, f"{name}: a stored error output: {errors[0]}"
 
@@ -267,5 +284,5 @@ def test_every_stored_picture_renders(lab, browser):
         broken = [src for src, done, width in images if not width]
         assert not broken, f"{name}: broken images {broken}"
         checked.append(name)
-        leave(browser, url, token)
+        browser.execute_script(DISCARD)
     assert "02_block_manager.ipynb" in checked and "13_qwen3_on_gpu.ipynb" in checked, checked

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _net import free_port, wait_for
+from _net import start_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from minivllm import TINY_MODEL_PATH
@@ -95,20 +95,11 @@ class Server:
 def server(tmp_path_factory):
     "`python -m minivllm serve` on the tiny model (float32, CPU) on a free port, for the module."
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    port = free_port()
     args = [sys.executable, "-m", "minivllm", "serve", TINY_MODEL_PATH, "--device", "cpu", "--dtype", "float32"]
-    args += ["--port", str(port), "--served-model-name", MODEL, "--log-level", "warning"]
-    proc = start(args, log, env=os.environ | {"OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert proc.poll() is None, f"minivllm serve exited with {proc.returncode}:\n{tail(log)}"
-        with contextlib.suppress(httpx.TransportError):
-            return httpx.get(f"{url}/health", timeout=5).status_code == 200
-        return False
-
+    args += ["--served-model-name", MODEL, "--log-level", "warning"]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc, url = start_server(lambda port: [*args, "--port", str(port)], log, 120, env=env)
     try:
-        wait_for(healthy, 120, "minivllm serve to answer GET /health", interval=0.25)
         yield Server(url, proc)
     finally:
         stop(proc, signal.SIGTERM)

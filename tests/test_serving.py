@@ -24,11 +24,11 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -36,7 +36,7 @@ import psutil
 import pytest
 import torch
 import uvicorn
-from _net import free_port, wait_for
+from _net import bound_socket, kill_group, start_server, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from minivllm import LLM, TINY_MODEL_PATH, SamplingParams
@@ -96,9 +96,10 @@ class Served:
 def serving(llm: AsyncLLM, **app_kwargs):
     "build_app(llm, ...) served by uvicorn in a thread on a free port for the `with` block."
     app = build_app(llm, MODEL, **app_kwargs)
-    port = free_port()
+    sock = bound_socket()  # (bound here: no other process can take the port before uvicorn listens on it)
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     try:
         wait_for(lambda: server.started or not thread.is_alive(), 30, "uvicorn to start")
@@ -108,6 +109,7 @@ def serving(llm: AsyncLLM, **app_kwargs):
         server.should_exit = True
         thread.join(30)
         llm.step_hooks.remove(app.state.metrics.record)  # (this app's metrics no longer follow the shared engine)
+        sock.close()
         assert not thread.is_alive(), "uvicorn did not stop within 30 s"
 
 
@@ -852,41 +854,14 @@ async def collect_stream(stream) -> list:
 # ------------------------------------------------------------------------------------------------ minivllm serve
 @pytest.mark.timeout(180)
 def test_serve_stops_on_sigterm_and_leaves_no_process(tmp_path, reference):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "minivllm",
-            "serve",
-            TINY_MODEL_PATH,
-            "--device",
-            "cpu",
-            "--port",
-            str(port),
-            "--api-key",
-            "cli-key",
-            "--served-model-name",
-            MODEL,
-            "--log-level",
-            "warning",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
-    )
+    log = tmp_path / "serve.log"
+    args = [sys.executable, "-m", "minivllm", "serve", TINY_MODEL_PATH, "--device", "cpu", "--api-key", "cli-key"]
+    args += ["--served-model-name", MODEL, "--log-level", "warning"]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc, url = start_server(lambda port: [*args, "--port", str(port)], log, 90, env=env)
     headers = {"Authorization": "Bearer cli-key"}
 
-    def healthy():
-        assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{read(log)}"
-        with contextlib.suppress(httpx.TransportError):
-            return httpx.get(f"{url}/health", timeout=5).status_code == 200
-
     try:
-        wait_for(healthy, 90, "GET /health to answer 200", interval=0.25)
         with httpx.Client(base_url=url, timeout=60) as http:
             assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
             out = http.post(
@@ -920,13 +895,8 @@ def test_serve_stops_on_sigterm_and_leaves_no_process(tmp_path, reference):
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/health", timeout=5)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        log.close()
+        kill_group(proc)
 
 
-def read(log) -> str:
-    log.flush()
-    log.seek(0)
-    return log.read()[-4000:]
+def read(log: Path) -> str:
+    return log.read_text(errors="replace")[-4000:]
