@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,22 @@ def bound_socket() -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     return sock
+
+
+# a server that answers GET /health with 200 (for the tests of the server starts)
+HEALTH_SERVER = """
+import http.server, socketserver, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+socketserver.TCPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def health_server(port: int) -> list[str]:
+    "The command of a server on `port` whose GET /health answers 200 (plain TCPServer: no slow host-name lookup)."
+    return [sys.executable, "-c", HEALTH_SERVER, str(port)]
 
 
 def wait_for(condition, timeout: float, what: str, interval: float = 0.05):

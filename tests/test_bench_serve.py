@@ -16,7 +16,7 @@ import sys
 import httpx
 import numpy as np
 import pytest
-from _net import wait_for
+from _net import health_server, wait_for
 
 from minivllm import TINY_MODEL_PATH
 from minivllm.bench.load import (
@@ -293,18 +293,6 @@ def test_sigterm_stops_the_server_and_keeps_the_results(tmp_path):
     assert json.loads(out.read_text())["servers"][0]["backend"] == "minivllm"
 
 
-HEALTH_SERVER = """
-import http.server, sys
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-    def log_message(self, *args):
-        pass
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
-"""
-
-
 @pytest.mark.timeout(120)
 def test_a_port_taken_before_the_server_binds_it_moves_the_server_to_another(tmp_path, monkeypatch):
     import socket
@@ -319,7 +307,7 @@ def test_a_port_taken_before_the_server_binds_it_moves_the_server_to_another(tmp
 
         def command(port):
             tried.append(port)
-            return [sys.executable, "-c", HEALTH_SERVER, str(port)]
+            return health_server(port)
 
         with servers.server_on_free_port(command, str(log), startup_timeout=60) as url:
             assert servers.healthy(url) and url.endswith(f":{tried[-1]}")

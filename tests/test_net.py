@@ -9,19 +9,6 @@ import _net
 import httpx
 import pytest
 
-HEALTH_SERVER = """
-import http.server, socketserver, sys
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-socketserver.TCPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
-"""
-
-
-def command(port: int) -> list[str]:
-    return [sys.executable, "-c", HEALTH_SERVER, str(port)]
-
 
 @pytest.mark.timeout(120)
 def test_a_port_taken_before_the_server_binds_it_moves_the_server(tmp_path, monkeypatch):
@@ -30,7 +17,7 @@ def test_a_port_taken_before_the_server_binds_it_moves_the_server(tmp_path, monk
         taken.bind(("127.0.0.1", 0))
         ports = iter([taken.getsockname()[1], _net.free_port()])
         monkeypatch.setattr(_net, "free_port", lambda: next(ports))
-        proc, url = _net.start_server(command, log, 60)
+        proc, url = _net.start_server(_net.health_server, log, 60)
         try:
             assert url.endswith(f":{proc.args[-1]}") and proc.args[-1] != str(taken.getsockname()[1])
             assert httpx.get(f"{url}/health", timeout=5).status_code == 200
@@ -39,7 +26,7 @@ def test_a_port_taken_before_the_server_binds_it_moves_the_server(tmp_path, monk
             _net.kill_group(proc)
         monkeypatch.setattr(_net, "free_port", lambda: taken.getsockname()[1])
         with pytest.raises(AssertionError, match="(?s)exited with 1.*already in use"):
-            _net.start_server(command, log, 60, tries=2)
+            _net.start_server(_net.health_server, log, 60, tries=2)
 
 
 @pytest.mark.timeout(60)
