@@ -41,6 +41,7 @@ class EngineConfig:
     cache_dtype: torch.dtype
     enable_prefix_caching: bool
     gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None  # None: the budget is measured (gpu_memory_utilization, cpu_kvcache_space_gib)
     cpu_kvcache_space_gib: float
     num_kvcache_blocks: int | None  # None: what the memory budget holds, measured by the runner
     # the scheduler

@@ -45,7 +45,7 @@ def check_types(args: EngineArgs) -> None:
         raise TypeError(f"model must be a checkpoint folder, a GGUF file or a Hub id, got {type(args.model).__name__}")
     if args.tokenizer is not None and not isinstance(args.tokenizer, (str, os.PathLike)):
         raise TypeError(f"tokenizer must be None, a folder or a Hub id, got {type(args.tokenizer).__name__}")
-    optional = ("max_model_len", "max_num_seqs", "num_kvcache_blocks")
+    optional = ("max_model_len", "max_num_seqs", "num_kvcache_blocks", "kv_cache_memory_bytes")
     for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "seed") + optional:
         value = getattr(args, name)
         if not (value is None and name in optional) and (isinstance(value, bool) or not isinstance(value, int)):
@@ -76,26 +76,22 @@ def check_sizes(args: EngineArgs) -> None:
     "The sizes a request can get wrong on its own (those that need the model: `check_fit`, in `resolve`)."
     seqs = args.max_num_seqs
     _check(seqs is None or seqs >= 1, f"max_num_seqs must be at least 1, got {seqs}")
+    tokens = args.max_num_batched_tokens
+    _check(tokens >= 1, f"max_num_batched_tokens must be at least 1, got {tokens}")
     _check(
-        args.max_num_batched_tokens >= 1,
-        f"max_num_batched_tokens must be at least 1, got {args.max_num_batched_tokens}",
-    )
-    _check(
-        seqs is None or args.max_num_batched_tokens >= seqs,
-        f"max_num_batched_tokens ({args.max_num_batched_tokens}) must be at least max_num_seqs "
-        f"({args.max_num_seqs}): every running sequence needs a token of budget per step",
+        seqs is None or tokens >= seqs,
+        f"max_num_batched_tokens ({tokens}) must be at least max_num_seqs "
+        f"({seqs}): every running sequence needs a token of budget per step",
     )
     bs = args.block_size
     _check(1 <= bs <= 1024 and bs & (bs - 1) == 0, f"block_size must be a power of two in [1, 1024], got {bs}")
-    _check(
-        0 < args.gpu_memory_utilization <= 1,
-        f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}",
-    )
+    share = args.gpu_memory_utilization
+    _check(0 < share <= 1, f"gpu_memory_utilization must be in (0, 1], got {share}")
     _check(args.cpu_kvcache_space_gib > 0, f"cpu_kvcache_space_gib must be > 0, got {args.cpu_kvcache_space_gib}")
-    _check(
-        args.num_kvcache_blocks is None or args.num_kvcache_blocks >= 1,
-        f"num_kvcache_blocks must be at least 1, got {args.num_kvcache_blocks}",
-    )
+    blocks, kv_bytes = args.num_kvcache_blocks, args.kv_cache_memory_bytes
+    _check(blocks is None or blocks >= 1, f"num_kvcache_blocks must be at least 1, got {blocks}")
+    _check(kv_bytes is None or kv_bytes >= 1, f"kv_cache_memory_bytes must be at least 1, got {kv_bytes}")
+    _check(kv_bytes is None or blocks is None, "give kv_cache_memory_bytes or num_kvcache_blocks, not both")
     _check(-(2**63) <= args.seed < 2**64, f"seed must fit in 64 bits, got {args.seed}")  # (torch.Generator's range)
     tp = args.tensor_parallel_size
     _check(tp >= 1, f"tensor_parallel_size must be at least 1, got {tp}")
@@ -131,6 +127,7 @@ class EngineArgs:
     max_num_seqs: int | None = None  # None: vLLM's default for the device (`default_max_num_seqs`)
     max_num_batched_tokens: int = 16384
     gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # the KV cache's bytes (per GPU), instead of gpu_memory_utilization's
     enforce_eager: bool = False  # True: no CUDA graphs
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -206,6 +203,7 @@ class EngineArgs:
             cache_dtype=cache_dtype,
             enable_prefix_caching=self.enable_prefix_caching,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             cpu_kvcache_space_gib=self.cpu_kvcache_space_gib,
             num_kvcache_blocks=self.num_kvcache_blocks,
             max_num_seqs=self.max_num_seqs or default_max_num_seqs(device, self.max_num_batched_tokens),

@@ -87,3 +87,27 @@ def test_max_num_seqs_defaults_as_vllm_by_device(monkeypatch):
         assert default_max_num_seqs("cuda", 512) == min(want, 512), name
     with pytest.raises(ValueError, match="max_num_batched_tokens must be at least 1"):
         EngineArgs(TINY_MODEL_PATH, max_num_batched_tokens=0)
+
+
+def test_kv_cache_memory_bytes_fixes_the_budget_in_bytes():
+    "vLLM's kv_cache_memory_bytes: the cache gets that (to the block); an 8-bit cache holds twice the blocks."
+    from minivllm import LLM, SamplingParams
+    from minivllm.engine.kv_cache import kv_block_bytes
+
+    budget, blocks, tokens = 64 * 2**20, {}, {}
+    for kv_dtype in ("auto", "fp8"):
+        kwargs = dict(dtype="bfloat16", kv_cache_dtype=kv_dtype, max_model_len=256, skip_tokenizer_init=True)
+        with LLM(TINY_MODEL_PATH, device="cpu", kv_cache_memory_bytes=budget, **kwargs) as llm:
+            runner = llm.llm_engine.executor.runner
+            block = kv_block_bytes(runner.config.hf_config, 16, runner.config.cache_dtype)
+            assert budget - block < runner.kv_cache.nbytes <= budget
+            blocks[kv_dtype] = runner.num_blocks
+            out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0))
+            tokens[kv_dtype] = out[0].outputs[0].token_ids
+    assert blocks["fp8"] == 2 * blocks["auto"] == 1024 and len(tokens["fp8"]) == 4
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes must be at least 1"):
+        EngineArgs(TINY_MODEL_PATH, kv_cache_memory_bytes=0)
+    with pytest.raises(ValueError, match="not both"):
+        EngineArgs(TINY_MODEL_PATH, kv_cache_memory_bytes=budget, num_kvcache_blocks=8)
+    with pytest.raises(TypeError, match="kv_cache_memory_bytes must be an int"):
+        EngineArgs(TINY_MODEL_PATH, kv_cache_memory_bytes=2.5e9)

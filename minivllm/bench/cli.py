@@ -118,6 +118,9 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument(
+        "--kv-cache-memory-bytes", type=int, default=None, help="the KV cache's bytes (compare caches at one budget)"
+    )
+    ap.add_argument(
         "--speculative-config",
         type=json.loads,
         default=None,
@@ -247,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         speculative_config=args.speculative_config,
     )
     report = Report(

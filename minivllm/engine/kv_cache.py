@@ -32,7 +32,7 @@ def num_kv_blocks(config: EngineConfig, budget_bytes: int) -> int:
             f"the KV cache holds {blocks} blocks of {config.block_size} tokens = {blocks * config.block_size} tokens, "
             f"but one sequence of max_model_len={config.max_model_len} tokens needs {blocks_per_seq} blocks "
             f"({blocks_per_seq * block_bytes / 2**20:.1f} MiB). Give the cache more memory (gpu_memory_utilization, "
-            f"cpu_kvcache_space_gib, num_kvcache_blocks) or lower max_model_len."
+            f"kv_cache_memory_bytes, cpu_kvcache_space_gib, num_kvcache_blocks) or lower max_model_len."
         )
     return int(blocks)
 
@@ -79,7 +79,9 @@ def gpu_kv_budget(utilization: float, device: torch.device) -> int:
 
 def kv_budget(model: torch.nn.Module, config: EngineConfig, device: torch.device, tp: TPGroup) -> int:
     "This engine's KV-cache bytes on every rank: each rank's own budget, then the smallest of them (ranks agree)."
-    if device.type == "cuda":
+    if config.kv_cache_memory_bytes is not None:  # given: nothing to measure
+        budget = config.kv_cache_memory_bytes
+    elif device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         profile_run(model, config, device)

@@ -27,6 +27,8 @@ ENGINE_FLAGS = (
     ("--max-num-seqs", int, None),
     ("--max-num-batched-tokens", int, None),
     ("--gpu-memory-utilization", float, None),
+    ("--kv-cache-memory-bytes", int, None),  # the KV cache's bytes, instead of a share of the card
+    ("--kv-cache-dtype", str, None),  # fp8: an 8-bit cache (notebook 06)
     ("--tensor-parallel-size", int, None),
     ("--block-size", int, None),
     ("--seed", int, None),
