@@ -111,3 +111,14 @@ def test_kv_cache_memory_bytes_fixes_the_budget_in_bytes():
         EngineArgs(TINY_MODEL_PATH, kv_cache_memory_bytes=budget, num_kvcache_blocks=8)
     with pytest.raises(TypeError, match="kv_cache_memory_bytes must be an int"):
         EngineArgs(TINY_MODEL_PATH, kv_cache_memory_bytes=2.5e9)
+
+
+def test_serve_passes_the_kv_cache_flags_to_the_engine():
+    pytest.importorskip("fastapi")
+    from minivllm.entrypoints.cli import engine_kwargs, parse_serve_args
+
+    args = parse_serve_args([TINY_MODEL_PATH, "--kv-cache-memory-bytes", str(2**30), "--kv-cache-dtype", "fp8"])
+    kwargs = engine_kwargs(args)
+    assert (kwargs["kv_cache_memory_bytes"], kwargs["kv_cache_dtype"]) == (2**30, "fp8")
+    assert EngineArgs.from_kwargs(TINY_MODEL_PATH, **kwargs).kv_cache_memory_bytes == 2**30
+    assert "kv_cache_memory_bytes" not in engine_kwargs(parse_serve_args([TINY_MODEL_PATH]))
