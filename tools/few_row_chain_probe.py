@@ -1,0 +1,317 @@
+"""A decode step's four products at a few rows (batch 8 or 32), chained over 28 layers: cuBLAS against one kernel each.
+
+    python tools/few_row_chain_probe.py OUT.json                 # on a GPU (Hopper: early launch, bulk L2 prefetch)
+    TRITON_INTERPRET=1 python tools/few_row_chain_probe.py x.json --check-only   # on a CPU: the kernel against torch
+
+The engine's step at batch 8 runs each layer's products as cuBLAS kernels with a norm before qkv and gate/up and the
+activation after gate/up: seven kernels of 1.3 to 7 us, each waiting for the one before. Here each product is one
+Triton kernel (`few_rows`): the norm (with the pending residual add) in its prologue, the activation in its epilogue,
+and its weights asked for before it waits for the kernel ahead (early launch, PDL): into registers (`regs`, the
+first tile) or into the L2 cache (`l2`, one bulk prefetch per weight row). Chains timed as CUDA graphs (median of
+replays), weights of 28 layers (840 MB, more than L2 holds). The question: does the chain of fused kernels launched
+early take less time a layer than the engine's, by the ~10 us a layer that batch 8's 2x target needs?
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from minivllm.kernels.common import pdl_launch_next, pdl_wait
+
+LAYERS, HIDDEN, Q, KV, INTER = 28, 1024, 2048, 1024, 3072
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, n, N, K):
+    "Ask the L2 cache for weight rows n (one bulk prefetch each, Hopper's cp.async.bulk.prefetch)."
+    ptrs = w_ptr + tl.where(n < N, n, 0).to(tl.int64) * K
+    nbytes = tl.full(n.shape, 0, tl.int32) + K * 2
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,r",
+        [ptrs, nbytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _load_w(w_ptr, n, k, N, K):
+    "A weight tile [BLOCK_K, BLOCK_N] (w is [N, K], rows n, inputs k)."
+    return tl.load(
+        w_ptr + n[None, :].to(tl.int64) * K + k[:, None], mask=(n < N)[None, :] & (k < K)[:, None], other=0.0
+    )
+
+
+@triton.jit
+def _few_rows_kernel(
+    y_ptr,
+    sum_ptr,
+    x_ptr,
+    res_ptr,
+    nw_ptr,
+    w_ptr,
+    M,
+    N,
+    K,
+    stride_x,
+    eps,
+    NORM: tl.constexpr,
+    FUSE_SILU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
+    DOT_FP32: tl.constexpr = False,
+):
+    """y[:M] = x @ w.T for BLOCK_N weight rows; NORM: x = rms_norm(x + res) * nw (K == BLOCK_K; program 0 stores
+    x + res to sum_ptr); FUSE_SILU: w is [gate; up] [2N, K] and y = silu(x @ gate.T) * (x @ up.T)."""
+    pdl_launch_next(PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, BLOCK_M)
+    if PREFETCH == 2:
+        _prefetch_rows(w_ptr, n, N, K)
+        if FUSE_SILU:
+            _prefetch_rows(w_ptr, n + N, 2 * N, K)
+    w = _load_w(w_ptr, n, k, N, K)
+    up = w
+    if FUSE_SILU:
+        up = _load_w(w_ptr, n + N, k, 2 * N, K)
+    pdl_wait(PDL)  # x and res: the kernel ahead's output
+    xmask = (rows < M)[:, None] & (k < K)[None, :]
+    h = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=xmask, other=0.0)
+    if NORM:  # the pending add and the norm, rounded as the plain kernels round
+        h = (h.to(tl.float32) + tl.load(res_ptr + rows[:, None] * K + k[None, :], mask=xmask, other=0.0)).to(h.dtype)
+        tl.store(sum_ptr + rows[:, None] * K + k[None, :], h, mask=xmask & (tl.program_id(0) == 0))
+        hf = h.to(tl.float32)
+        normed = (hf * tl.rsqrt(tl.sum(hf * hf, axis=1) / K + eps)[:, None]).to(h.dtype)
+        h = (normed.to(tl.float32) * tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]).to(h.dtype)
+    if DOT_FP32:  # (the CPU interpreter's bfloat16 dot is wrong)
+        h, w, up = h.to(tl.float32), w.to(tl.float32), up.to(tl.float32)
+    acc = tl.dot(h, w)
+    if FUSE_SILU:
+        acc_up = tl.dot(h, up)
+    for k0 in range(BLOCK_K, K, BLOCK_K):  # (only without NORM) the rest of the row
+        kk = k0 + k
+        w = _load_w(w_ptr, n, kk, N, K)
+        xk = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=(rows < M)[:, None] & (kk < K)[None, :])
+        up = w
+        if FUSE_SILU:
+            up = _load_w(w_ptr, n + N, kk, 2 * N, K)
+        if DOT_FP32:
+            xk, w, up = xk.to(tl.float32), w.to(tl.float32), up.to(tl.float32)
+        acc = tl.dot(xk, w, acc)
+        if FUSE_SILU:
+            acc_up = tl.dot(xk, up, acc_up)
+    if FUSE_SILU:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    tl.store(
+        y_ptr + rows[:, None] * N + n[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rows < M)[:, None] & (n < N)[None, :],
+    )
+
+
+def few_rows(x, w, cfg, norm=None, silu=False, pdl=False):
+    """x [M, K] (rows may be strided) @ w.T; norm = (residual, norm_weight, eps): returns (y, x + residual)."""
+    m, k = x.shape
+    n = w.shape[0] // 2 if silu else w.shape[0]
+    block_n, block_k, warps, stages, prefetch = cfg
+    block_k = k if norm is not None else min(block_k, k)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    total = torch.empty(m, k, dtype=x.dtype, device=x.device) if norm is not None else y
+    res, nw, eps = norm if norm is not None else (x, x, 0.0)
+    extra = {} if INTERPRET else {"launch_pdl": pdl}
+    _few_rows_kernel[(triton.cdiv(n, block_n),)](
+        y, total, x, res, nw, w, m, n, k, x.stride(0), eps,
+        NORM=norm is not None, FUSE_SILU=silu, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n,
+        BLOCK_K=block_k, PREFETCH=0 if INTERPRET else prefetch, PDL=pdl and not INTERPRET, num_warps=warps,
+        num_stages=stages, DOT_FP32=INTERPRET, **extra,
+    )  # fmt: skip
+    return (y, total) if norm is not None else y
+
+
+def ref_norm(x, res, nw, eps):
+    h = (x.float() + res.float()).to(x.dtype)
+    hf = h.float()
+    return nw * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype), h
+
+
+def make_layers(device, layers=LAYERS):
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16).to(device)
+
+    return [
+        dict(
+            qkv=rnd(Q + 2 * KV, HIDDEN),
+            o=rnd(HIDDEN, Q),
+            gate_up=rnd(2 * INTER, HIDDEN),
+            down=rnd(HIDDEN, INTER),
+            n1=1 + rnd(HIDDEN, std=0.1),
+            n2=1 + rnd(HIDDEN, std=0.1),
+        )
+        for _ in range(layers)
+    ]
+
+
+def engine_layer(x, res, p, silu_mul, add_rms_norm):
+    h, res = add_rms_norm(x, res, p["n1"], 1e-6)
+    qkv = F.linear(h, p["qkv"])
+    o = F.linear(qkv[:, :Q], p["o"])
+    h, res = add_rms_norm(o, res, p["n2"], 1e-6)
+    return F.linear(silu_mul(F.linear(h, p["gate_up"])), p["down"]), res
+
+
+def fused_layer(x, res, p, cfgs, pdl):
+    qkv, res = few_rows(x, p["qkv"], cfgs["qkv"], (res, p["n1"], 1e-6), pdl=pdl)
+    o = few_rows(qkv[:, :Q], p["o"], cfgs["o"], pdl=pdl)
+    act, res = few_rows(o, p["gate_up"], cfgs["gate_up"], (res, p["n2"], 1e-6), silu=True, pdl=pdl)
+    return few_rows(act, p["down"], cfgs["down"], pdl=pdl), res
+
+
+def check(device, m, cfgs) -> dict:
+    "One layer's products against torch: the largest difference over the largest value, per product."
+    p = make_layers(device, 1)[0]
+    x = torch.randn(m, HIDDEN, device=device).to(torch.bfloat16)
+    res = torch.randn(m, HIDDEN, device=device).to(torch.bfloat16)
+    out = {}
+    h, total = ref_norm(x, res, p["n1"], 1e-6)
+    qkv, got_total = few_rows(x, p["qkv"], cfgs["qkv"], (res, p["n1"], 1e-6))
+    out["qkv"] = rel(qkv, h.float() @ p["qkv"].float().T)
+    out["sum"] = rel(got_total, total.float())
+    o = few_rows(qkv[:, :Q], p["o"], cfgs["o"])
+    out["o"] = rel(o, qkv[:, :Q].float() @ p["o"].float().T)
+    act, _ = few_rows(h, p["gate_up"], cfgs["gate_up"], (torch.zeros_like(h), p["n2"], 1e-6), silu=True)
+    h2, _ = ref_norm(h, torch.zeros_like(h), p["n2"], 1e-6)
+    gu = h2.float() @ p["gate_up"].float().T
+    out["gate_up"] = rel(act, F.silu(gu[:, :INTER]) * gu[:, INTER:])
+    down = few_rows(act, p["down"], cfgs["down"])
+    out["down"] = rel(down, act.float() @ p["down"].float().T)
+    return out
+
+
+def rel(got, want) -> float:
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
+def bench(fn, rep=300) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3
+
+
+PRODUCTS = {"qkv": (True, False), "o": (False, False), "gate_up": (True, True), "down": (False, False)}
+
+
+def sweep_product(name, layers, m, configs, pdl) -> list[dict]:
+    "28 of one product in a chain (each layer's weight), every configuration: us a product."
+    norm, silu = PRODUCTS[name]
+    x0 = torch.randn(m, layers[0][name].shape[1], device="cuda").to(torch.bfloat16)
+    res = torch.zeros(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    out = []
+    for cfg in configs:
+
+        def chain(cfg=cfg):
+            x = x0
+            for p in layers:
+                nrm = (res, p["n1"], 1e-6) if norm else None
+                y = few_rows(x, p[name], cfg, nrm, silu=silu, pdl=pdl)
+                y = y[0] if norm else y
+                x = y[:, : x0.shape[1]] if y.shape[1] >= x0.shape[1] else x0
+
+        try:
+            out.append({"cfg": cfg, "us": bench(chain, rep=100) / len(layers)})
+        except Exception as e:  # a configuration that does not fit (shared memory, registers)
+            out.append({"cfg": cfg, "error": str(e)[:200]})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--rows", default="8,32")
+    ap.add_argument("--sweep-rows", type=int, default=8, help="sweep the launch choices at this row count only")
+    ap.add_argument("--check-only", action="store_true")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    default = {
+        "qkv": (16, 1024, 4, 1, 1),
+        "o": (16, 1024, 4, 2, 2),
+        "gate_up": (16, 1024, 8, 1, 1),
+        "down": (16, 512, 4, 3, 2),
+    }
+    result = {"rows": {}}
+    for m in [int(r) for r in args.rows.split(",")]:
+        result["rows"][m] = {"check": check(device, m, default)}
+        print(m, "check", result["rows"][m]["check"], flush=True)
+    if args.check_only or device == "cpu":
+        json.dump(result, open(args.out, "w"), indent=1)
+        return
+    from minivllm.kernels.activation import silu_mul
+    from minivllm.layers.layernorm import add_rms_norm
+
+    result["environment"] = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+    layers = make_layers("cuda")
+    for m in [int(r) for r in args.rows.split(",")]:
+        r = result["rows"][m]
+        best = {}
+        for name in PRODUCTS:
+            k = layers[0][name].shape[1]
+            if m != args.sweep_rows:
+                continue
+            if k > HIDDEN:
+                grid = itertools.product((16, 32), (256, 512, 1024), (4,), (2, 3), (1, 2))
+            else:
+                grid = itertools.product((16, 32), (1024,), (4, 8), (1,), (1, 2))
+            swept = sweep_product(name, layers, m, list(grid), pdl=True)
+            ok = [s for s in swept if "us" in s]
+            best[name] = min(ok, key=lambda s: s["us"])["cfg"]
+            r[f"sweep_{name}"] = swept
+            print(m, name, "best", best[name], f"{min(s['us'] for s in ok):.2f} us", flush=True)
+        best = best or result["rows"][args.sweep_rows]["best"]
+        r["best"] = best
+        r["check_best"] = check("cuda", m, best)
+        x0 = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
+        res0 = torch.zeros_like(x0)
+
+        def run(kind, pdl=False):
+            x, res = x0, res0
+            for p in layers:
+                if kind == "engine":
+                    x, res = engine_layer(x, res, p, silu_mul, add_rms_norm)
+                else:
+                    x, res = fused_layer(x, res, p, best, pdl)
+            return x
+
+        run("engine")  # compile the norms first
+        for rep in range(3):
+            for kind, pdl in (("engine", False), ("fused", False), ("fused", True)):
+                key = f"{kind}{'_pdl' if pdl else ''}"
+                us = bench(functools.partial(run, kind, pdl)) / LAYERS
+                r.setdefault(key, []).append(us)
+        for key in ("engine", "fused", "fused_pdl"):
+            r[key + "_median"] = sorted(r[key])[1]
+        print(m, {k: round(r[k + "_median"], 2) for k in ("engine", "fused", "fused_pdl")}, "us a layer", flush=True)
+        json.dump(result, open(args.out, "w"), indent=1, default=str)
+    json.dump(result, open(args.out, "w"), indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
