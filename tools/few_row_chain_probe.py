@@ -291,7 +291,7 @@ def main() -> None:
         x0 = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
         res0 = torch.zeros_like(x0)
 
-        def run(kind, pdl=False):
+        def run(kind, pdl=False, x0=x0, res0=res0, best=best):
             x, res = x0, res0
             for p in layers:
                 if kind == "engine":
@@ -301,7 +301,7 @@ def main() -> None:
             return x
 
         run("engine")  # compile the norms first
-        for rep in range(3):
+        for _round in range(3):
             for kind, pdl in (("engine", False), ("fused", False), ("fused", True)):
                 key = f"{kind}{'_pdl' if pdl else ''}"
                 us = bench(functools.partial(run, kind, pdl)) / LAYERS
