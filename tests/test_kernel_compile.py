@@ -46,6 +46,17 @@ def test_prefill_kernel_compiles_for_hopper_under_its_register_cap():
     assert counts["bf16"]["cvt.rn.f16x2.e4m3x2"] == 0 < counts["fp8"]["cvt.rn.f16x2.e4m3x2"]  # 8-bit tiles converted
 
 
+def test_few_row_products_compile_for_hopper_without_spilling():
+    "A product whose registers spilled to the stack took 200 times its time in a decode step: none may spill."
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(TOOL), "--few-rows", "2,8,32"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    usage = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(usage) == 12 and all(u["registers"] > 0 for u in usage.values())
+    assert {name: u["stack"] for name, u in usage.items() if u["stack"]} == {}
+
+
 def test_the_tool_refuses_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, str(TOOL)], env=env, capture_output=True, text=True, timeout=120)

@@ -8,6 +8,7 @@ a GPU policy on a CPU model takes the GPU's dispatch decisions, and must give th
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import re
 import subprocess
@@ -76,8 +77,22 @@ def test_one_row_paths_need_the_policy_and_a_step_of_one_token():
     gpu, reference = kernel_policy("cuda", torch.float16), KernelPolicy()
     one, two = torch.zeros(1, 8), torch.zeros(2, 8)
     assert gpu.gemv_row(one) and gpu.norms_row(one)
-    assert not gpu.gemv_row(two) and not gpu.norms_row(two)
+    assert not gpu.gemv_row(two) and not gpu.norms_row(two)  # float32: no few-row kernel
     assert not reference.gemv_row(one) and not reference.norms_row(one)
+
+
+def test_a_few_rows_of_16_bits_run_their_norms_inside_the_products_where_a_tile_holds_them(monkeypatch):
+    "Opt-in (MINIVLLM_FEW_ROWS=1, read at import) until measured on a GPU; then 2 to 32 rows whose tile fits."
+    from minivllm.layers import kernel_policy as policy_module
+
+    assert not kernel_policy("cuda", torch.bfloat16).few_row_products  # off by default
+    monkeypatch.setattr(policy_module, "FEW_ROWS", True)
+    gpu = kernel_policy("cuda", torch.bfloat16)
+    assert gpu.few_row_products and not kernel_policy("cpu", torch.bfloat16).few_row_products
+    rows = {n: torch.zeros(n, 1024, dtype=torch.bfloat16) for n in (2, 32, 33)}
+    assert gpu.norms_row(rows[2]) and gpu.norms_row(rows[32]) and not gpu.norms_row(rows[33])
+    assert not gpu.norms_row(torch.zeros(32, 2048, dtype=torch.bfloat16))  # 32 x 2,048 numbers: more than a tile
+    assert not dataclasses.replace(gpu, few_row_products=False).norms_row(rows[2])
 
 
 def small_qwen3(**overrides) -> Qwen3ForCausalLM:

@@ -3,6 +3,7 @@
     python tools/kernel_ptx.py                      # every configuration, counts as JSON
     python tools/kernel_ptx.py --configs plain      # the plain decode step only
     python tools/kernel_ptx.py --prefill            # the prefill kernel at the launcher's defaults, register cap too
+    python tools/kernel_ptx.py --few-rows           # the few-row products at their tiles: registers and stack a thread
 
 Triton compiles to PTX without a GPU. For each configuration (plain; split KV in a mixed step; cascade with early
 launch) and each cache (bfloat16; 8-bit read as float16 tiles, F16_TILES; 8-bit read as bfloat16 tiles), the counts
@@ -90,6 +91,48 @@ def prefill_ptx(cache: str) -> str:
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
+FEW_ROW_PRODUCTS = {  # Qwen3-0.6B's products of a decoder layer at a few rows: (outputs, K, norm, fuse_silu)
+    "qkv": (4096, 1024, True, False),
+    "o": (1024, 2048, False, False),
+    "gate_up": (3072, 1024, True, True),
+    "down": (1024, 3072, False, False),
+}
+
+
+def few_rows_usage(rows: int, n: int, k: int, norm: bool, fuse_silu: bool) -> dict:
+    """The few-row product's kernel compiled to a Hopper cubin at the launcher's tiles (bfloat16): the registers and
+    the stack a thread takes, as cuobjdump reports them (a stack means spilled registers)."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from minivllm.kernels.few_rows import _few_rows_kernel, few_rows_tiles
+
+    block_m, block_n, block_k, stages, warps = few_rows_tiles(rows, n, k, norm, fuse_silu)
+    signature, attrs = {}, {}
+    for i, name in enumerate(_few_rows_kernel.arg_names):
+        if name.endswith("_ptr") or name in ("N", "K", "stride_x"):
+            signature[name] = "*bf16" if name.endswith("_ptr") else "i32"
+            attrs[(i,)] = DIVISIBLE_BY_16
+        else:
+            signature[name] = {"M": "i32", "eps": "fp32"}.get(name, "constexpr")
+    constants = dict(NORM=norm, HAS_RESIDUAL=norm, FUSE_SILU=fuse_silu, BLOCK_M=block_m, BLOCK_N=block_n)
+    constants.update(BLOCK_K=block_k, PREFETCH_L2=k > 2048, PDL=True, DOT_FP32=False, DOT_PRECISION="tf32")
+    source = triton.compiler.ASTSource(fn=_few_rows_kernel, signature=signature, constexprs=constants, attrs=attrs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps, num_stages=stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+    line = next(x for x in out.splitlines() if "REG:" in x)
+    usage = {key: int(line.split(key + ":")[1].split()[0]) for key in ("REG", "STACK")}
+    return {"tiles": [block_m, block_n, block_k, stages, warps], "registers": usage["REG"], "stack": usage["STACK"]}
+
+
 def counts(configs: list[str]) -> dict:
     "For each configuration and cache, the count of each of COUNTED in the PTX."
     result = {}
@@ -104,9 +147,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of: " + ", ".join(CONFIGS))
     ap.add_argument("--prefill", action="store_true", help="the prefill kernel instead, bfloat16 and 8-bit caches")
+    ap.add_argument("--few-rows", default=None, help="the few-row products at these row counts instead (e.g. 8,32)")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("kernel_ptx.py compiles the kernels: run it without TRITON_INTERPRET=1")
+    if args.few_rows:
+        usage = {}
+        for rows in map(int, args.few_rows.split(",")):
+            for name, shape in FEW_ROW_PRODUCTS.items():
+                usage[f"{name} {rows}"] = few_rows_usage(rows, *shape)
+        print(json.dumps(usage))
+        return
     if args.prefill:
         ptx = {cache: prefill_ptx(ty) for cache, ty in (("bf16", "*bf16"), ("fp8", "*fp8e4nv"))}
         print(json.dumps({cache: {op: p.count(op) for op in PREFILL_COUNTED} for cache, p in ptx.items()}))

@@ -3,6 +3,7 @@
 # %% ../../notebooks/deep_dives/08_kernel_policy.ipynb #f5379e7f
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +11,8 @@ from torch import nn
 
 from .attention_backends.base import AttentionBackend, make_attention_backend
 from .attention_backends.torch_backend import TorchAttentionBackend
+
+FEW_ROWS = os.environ.get("MINIVLLM_FEW_ROWS", "0") == "1"  # few-row products: opt-in until measured on a GPU
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,7 @@ class KernelPolicy:
     prefill: AttentionBackend = field(default_factory=TorchAttentionBackend)  # every other step's
     one_row_gemv: bool = False  # one row's products by `gemv` (notebook 06), the MLP's activation in gate_up's
     norms_in_products: bool = False  # a one-row decoder layer's norms inside the products after them (`norm_gemv`)
+    few_row_products: bool = False  # 2 to 32 rows' products by `few_rows_mm`, norms and activation inside (06)
     fused_qk_norm_rope: bool = False  # q/k norms, rotation and the K/V write in one kernel (`qk_norm_rope_store`)
     triton_activation: bool = False  # `SiluAndMul` by notebook 06's `silu_mul`
     fused_moe: bool = False  # a mixture's experts by notebook 06's `fused_moe`
@@ -29,8 +33,13 @@ class KernelPolicy:
         return self.one_row_gemv and x.shape[0] == 1
 
     def norms_row(self, x: torch.Tensor) -> bool:
-        "Do this step's norms run inside the products: the policy allows it and the step is one token?"
-        return self.norms_in_products and x.shape[0] == 1
+        """Do this step's norms run inside the products: the policy allows it, and the step is one token (`norm_gemv`)
+        or 2 to 32 whose rows fit one tile (`norm_few_rows`, notebook 06's small-batch deep dive)?"""
+        if not self.norms_in_products or not (x.shape[0] == 1 or self.few_row_products):
+            return False
+        from minivllm.kernels.few_rows import norm_fits  # (a GPU's policy: Triton is there)
+
+        return x.shape[0] == 1 or norm_fits(x.shape[0], x.shape[1], x.dtype)
 
 
 def kernel_policy(
@@ -50,6 +59,7 @@ def kernel_policy(
         make_attention_backend(prefill or decode),
         one_row_gemv=gpu,
         norms_in_products=gpu,
+        few_row_products=gpu and FEW_ROWS,
         fused_qk_norm_rope=gpu and same_cache_dtype,
         triton_activation=gpu,
         fused_moe=gpu,
@@ -66,7 +76,7 @@ class UsesKernelPolicy:
 
 
 # %% auto #0
-__all__ = ["KernelPolicy", "kernel_policy", "UsesKernelPolicy", "apply_policy"]
+__all__ = ["FEW_ROWS", "KernelPolicy", "kernel_policy", "UsesKernelPolicy", "apply_policy"]
 
 
 # %% ../../notebooks/deep_dives/08_kernel_policy.ipynb #95c4eb6d

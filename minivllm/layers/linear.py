@@ -35,14 +35,20 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
     one_row_gemv: bool = False,
+    few_rows: bool = False,
 ) -> torch.Tensor:
     """`x W^T + b`; with `packed`, oneDNN's copy of the weight on a CPU, for up to 256 rows (their count padded to 2^k);
     with `one_row_gemv` (a GPU's kernel policy), one row takes a matrix-vector kernel (`gemv`, notebook 06: cuBLAS
-    reads a weight for one row slowly)."""
+    reads a weight for one row slowly), and with `few_rows` 2 to 32 rows of 16-bit numbers take `few_rows_mm`."""
     if one_row_gemv and bias is None and x.numel() == x.shape[-1]:  # one row: notebook 06's kernel
         from minivllm.kernels.gemv import gemv
 
         return gemv(x.reshape(1, -1), weight).view(*x.shape[:-1], -1)
+    if few_rows and bias is None and x.dim() == 2:  # a few rows: the kernel of notebook 06's small-batch deep dive
+        from minivllm.kernels.few_rows import few_rows_fit, few_rows_mm
+
+        if few_rows_fit(x, weight):
+            return few_rows_mm(x, weight)
     rows = 0 if packed is None else x.numel() // max(x.shape[-1], 1)  # (no copy: a GPU, a layer nobody packed)
     if not 0 < rows <= PACKED_MAX_ROWS:
         return F.linear(x, weight, bias)
@@ -82,6 +88,7 @@ class LinearBase(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.packed_weight: torch.Tensor | None = None  # set by `pack_for_cpu` (below) on a CPU
         self.one_row_gemv = False  # one row by notebook 06's `gemv`: the kernel policy's choice (notebook 08)
+        self.few_rows = False  # 2 to 32 rows by `few_rows_mm` (notebook 06's deep dive): the policy's choice too
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
             self.bias.weight_loader = self.weight_loader
@@ -93,10 +100,10 @@ class LinearBase(nn.Module):
         return tuple(param.shape)
 
     def use_policy(self, policy: KernelPolicy) -> None:
-        self.one_row_gemv = policy.one_row_gemv
+        self.one_row_gemv, self.few_rows = policy.one_row_gemv, policy.few_row_products
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight, self.one_row_gemv)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.one_row_gemv, self.few_rows)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}" + (
@@ -217,7 +224,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        return all_reduce(linear(x, self.weight, bias, self.packed_weight, self.one_row_gemv), self.tp)
+        return all_reduce(linear(x, self.weight, bias, self.packed_weight, self.one_row_gemv, self.few_rows), self.tp)
 
 
 # %% ../../notebooks/04_layers.ipynb #365cb248

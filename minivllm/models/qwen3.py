@@ -182,7 +182,7 @@ class Qwen3DecoderLayer(UsesKernelPolicy, nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         "Returns `(mlp_output, residual)`: the layer's output is their sum, added by the next norm."
         if self.norms_in_products(hidden_states):
-            return self._one_row(positions, hidden_states, residual, meta)
+            return self._fused_norms(positions, hidden_states, residual, meta)
         if residual is None:
             hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
         else:
@@ -192,7 +192,7 @@ class Qwen3DecoderLayer(UsesKernelPolicy, nn.Module):
         return self.mlp(hidden_states), residual
 
     def norms_in_products(self, x: torch.Tensor) -> bool:
-        "One token, the policy allows it, no biases, a dense MLP: each norm can run inside the product after it (06)."
+        "1 to 32 tokens, the policy allows it, no biases, a dense MLP: each norm can run inside the product after it."
         attn, mlp = self.self_attn, self.mlp
         return (
             self.policy.norms_row(x)
@@ -201,16 +201,16 @@ class Qwen3DecoderLayer(UsesKernelPolicy, nn.Module):
             and mlp.gate_up_proj.bias is None
         )
 
-    def _one_row(
+    def _fused_norms(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        "`forward` for one token, each norm run by the product after it: two kernels a layer fewer."
-        from minivllm.kernels.gemv import norm_gemv
+        "`forward` with each norm run by the product after it (`norm_product`, notebook 06): two kernels a layer fewer."
+        from minivllm.kernels.few_rows import norm_product
 
         attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        qkv, residual = norm_gemv(x, residual, norm1.weight, norm1.eps, attn.qkv_proj.weight)
+        qkv, residual = norm_product(x, residual, norm1.weight, norm1.eps, attn.qkv_proj.weight)
         hidden_states = attn.attend(positions, qkv, meta)
-        act, residual = norm_gemv(hidden_states, residual, norm2.weight, norm2.eps, mlp.gate_up_proj.weight, True)
+        act, residual = norm_product(hidden_states, residual, norm2.weight, norm2.eps, mlp.gate_up_proj.weight, True)
         return mlp.down_proj(act), residual
 
 
