@@ -66,6 +66,11 @@ def kernel_policy(
     )
 
 
+# %% auto #0
+__all__ = ["FEW_ROWS", "KernelPolicy", "kernel_policy", "UsesKernelPolicy", "apply_policy"]
+
+
+# %% ../../notebooks/deep_dives/08_kernel_policy.ipynb #b31d9518
 class UsesKernelPolicy:
     "A module whose fast paths ask the kernel policy: the reference until `apply_policy` hands it the engine's."
 
@@ -73,10 +78,6 @@ class UsesKernelPolicy:
 
     def use_policy(self, policy: KernelPolicy) -> None:
         self.policy = policy
-
-
-# %% auto #0
-__all__ = ["FEW_ROWS", "KernelPolicy", "kernel_policy", "UsesKernelPolicy", "apply_policy"]
 
 
 # %% ../../notebooks/deep_dives/08_kernel_policy.ipynb #95c4eb6d
