@@ -5,11 +5,12 @@
 
 The engine's step at batch 8 runs each layer's products as cuBLAS kernels with a norm before qkv and gate/up and the
 activation after gate/up: seven kernels of 1.3 to 7 us, each waiting for the one before. Here each product is one
-Triton kernel (`few_rows`): the norm (with the pending residual add) in its prologue, the activation in its epilogue,
-and its weights asked for before it waits for the kernel ahead (early launch, PDL): into registers (`regs`, the
-first tile) or into the L2 cache (`l2`, one bulk prefetch per weight row). Chains timed as CUDA graphs (median of
-replays), weights of 28 layers (840 MB, more than L2 holds). The question: does the chain of fused kernels launched
-early take less time a layer than the engine's, by the ~10 us a layer that batch 8's 2x target needs?
+Triton kernel (the package's `_few_rows_kernel`, at tiles the sweep chooses): the norm (with the pending residual
+add) in its prologue, the activation in its epilogue, and its weights asked for before it waits for the kernel ahead
+(early launch, PDL): the first tile into registers, and with prefetch mode 2 the whole row into L2 too. Chains timed
+as CUDA graphs (median of replays), weights of 28 layers (840 MB, more than L2 holds). The question: does the chain
+of fused kernels launched early take less time a layer than the engine's, by the ~10 us a layer that batch 8's 2x
+target needs?
 """
 
 from __future__ import annotations
@@ -23,106 +24,11 @@ import os
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
-from minivllm.kernels.common import pdl_launch_next, pdl_wait
+from minivllm.kernels.few_rows import _few_rows_kernel
 
 LAYERS, HIDDEN, Q, KV, INTER = 28, 1024, 2048, 1024, 3072
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, n, N, K):
-    "Ask the L2 cache for weight rows n (one bulk prefetch each, Hopper's cp.async.bulk.prefetch)."
-    ptrs = w_ptr + tl.where(n < N, n, 0).to(tl.int64) * K
-    nbytes = tl.full(n.shape, 0, tl.int32) + K * 2
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-        "=r,l,r",
-        [ptrs, nbytes],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def _load_w(w_ptr, n, k, N, K):
-    "A weight tile [BLOCK_K, BLOCK_N] (w is [N, K], rows n, inputs k)."
-    return tl.load(
-        w_ptr + n[None, :].to(tl.int64) * K + k[:, None], mask=(n < N)[None, :] & (k < K)[:, None], other=0.0
-    )
-
-
-@triton.jit
-def _few_rows_kernel(
-    y_ptr,
-    sum_ptr,
-    x_ptr,
-    res_ptr,
-    nw_ptr,
-    w_ptr,
-    M,
-    N,
-    K,
-    stride_x,
-    eps,
-    NORM: tl.constexpr,
-    FUSE_SILU: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PDL: tl.constexpr,
-    DOT_FP32: tl.constexpr = False,
-):
-    """y[:M] = x @ w.T for BLOCK_N weight rows; NORM: x = rms_norm(x + res) * nw (K == BLOCK_K; program 0 stores
-    x + res to sum_ptr); FUSE_SILU: w is [gate; up] [2N, K] and y = silu(x @ gate.T) * (x @ up.T)."""
-    pdl_launch_next(PDL)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    rows = tl.arange(0, BLOCK_M)
-    if PREFETCH == 2:
-        _prefetch_rows(w_ptr, n, N, K)
-        if FUSE_SILU:
-            _prefetch_rows(w_ptr, n + N, 2 * N, K)
-    w = _load_w(w_ptr, n, k, N, K)
-    up = w
-    if FUSE_SILU:
-        up = _load_w(w_ptr, n + N, k, 2 * N, K)
-    pdl_wait(PDL)  # x and res: the kernel ahead's output
-    xmask = (rows < M)[:, None] & (k < K)[None, :]
-    h = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=xmask, other=0.0)
-    if NORM:  # the pending add and the norm, rounded as the plain kernels round
-        h = (h.to(tl.float32) + tl.load(res_ptr + rows[:, None] * K + k[None, :], mask=xmask, other=0.0)).to(h.dtype)
-        tl.store(sum_ptr + rows[:, None] * K + k[None, :], h, mask=xmask & (tl.program_id(0) == 0))
-        hf = h.to(tl.float32)
-        normed = (hf * tl.rsqrt(tl.sum(hf * hf, axis=1) / K + eps)[:, None]).to(h.dtype)
-        h = (normed.to(tl.float32) * tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]).to(h.dtype)
-    if DOT_FP32:  # (the CPU interpreter's bfloat16 dot is wrong)
-        h, w, up = h.to(tl.float32), w.to(tl.float32), up.to(tl.float32)
-    acc = tl.dot(h, w)
-    if FUSE_SILU:
-        acc_up = tl.dot(h, up)
-    for k0 in range(BLOCK_K, K, BLOCK_K):  # (only without NORM) the rest of the row
-        kk = k0 + k
-        w = _load_w(w_ptr, n, kk, N, K)
-        xk = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=(rows < M)[:, None] & (kk < K)[None, :])
-        up = w
-        if FUSE_SILU:
-            up = _load_w(w_ptr, n + N, kk, 2 * N, K)
-        if DOT_FP32:
-            xk, w, up = xk.to(tl.float32), w.to(tl.float32), up.to(tl.float32)
-        acc = tl.dot(xk, w, acc)
-        if FUSE_SILU:
-            acc_up = tl.dot(xk, up, acc_up)
-    if FUSE_SILU:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    tl.store(
-        y_ptr + rows[:, None] * N + n[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=(rows < M)[:, None] & (n < N)[None, :],
-    )
 
 
 def few_rows(x, w, cfg, norm=None, silu=False, pdl=False):
@@ -137,9 +43,10 @@ def few_rows(x, w, cfg, norm=None, silu=False, pdl=False):
     extra = {} if INTERPRET else {"launch_pdl": pdl}
     _few_rows_kernel[(triton.cdiv(n, block_n),)](
         y, total, x, res, nw, w, m, n, k, x.stride(0), eps,
-        NORM=norm is not None, FUSE_SILU=silu, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n,
-        BLOCK_K=block_k, PREFETCH=0 if INTERPRET else prefetch, PDL=pdl and not INTERPRET, num_warps=warps,
-        num_stages=stages, DOT_FP32=INTERPRET, **extra,
+        NORM=norm is not None, HAS_RESIDUAL=norm is not None, FUSE_SILU=silu,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+        PREFETCH_L2=prefetch == 2 and not INTERPRET, PDL=pdl and not INTERPRET, DOT_FP32=INTERPRET,
+        DOT_PRECISION="tf32", num_warps=warps, num_stages=stages, **extra,
     )  # fmt: skip
     return (y, total) if norm is not None else y
 

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from .backends import INTERPRET
 from .common import check_device, pdl_launch_next, pdl_wait, use_pdl
+from .gemv import check_norm, norm_gemv
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)  # the dtypes these kernels take (float32 spills registers: cuBLAS)
 FEW_ROWS_MAX = 32  # the most rows a step's products take these kernels for (batch 2 to 32; one row: `gemv`)
@@ -223,15 +224,11 @@ def norm_few_rows(
     `silu(gate) * up`, as `norm_gemv`'s. Returns it and `x + residual` (`x` itself when `residual` is None)."""
     k = x.shape[1]
     weight = check_rows(x, weight, k, "norm_few_rows")
-    if not norm_fits(x.shape[0], k, x.dtype) or norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
+    if not norm_fits(x.shape[0], k, x.dtype):
         raise ValueError(
-            f"norm_few_rows takes rows whose padded tile holds at most {NORM_MAX_TILE} numbers and a norm_weight [K] "
-            f"of x's dtype, got x {tuple(x.shape)}, norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype}"
+            f"norm_few_rows takes rows whose padded tile holds at most {NORM_MAX_TILE} numbers, got x {tuple(x.shape)}"
         )
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(
-            f"norm_few_rows's residual must match x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)}"
-        )
+    check_norm(x, residual, norm_weight, "norm_few_rows")
     if fuse_silu and weight.shape[0] % 2:
         raise ValueError(f"norm_few_rows with fuse_silu takes [gate; up], an even count of rows, got {weight.shape[0]}")
     x = x.contiguous()
@@ -252,7 +249,5 @@ def norm_product(
     fuse_silu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     "A norm and the product after it in one kernel: `norm_gemv` for one row, `norm_few_rows` for 2 to 32."
-    from .gemv import norm_gemv
-
     kernel = norm_gemv if x.shape[0] == 1 else norm_few_rows
     return kernel(x, residual, norm_weight, eps, weight, fuse_silu)

@@ -56,7 +56,7 @@ def _gemv_kernel(
 
 
 # %% auto #0
-__all__ = ["GEMV_BLOCK_K", "gemv_tiles", "check_row", "gemv", "norm_gemv"]
+__all__ = ["GEMV_BLOCK_K", "gemv_tiles", "check_row", "gemv", "check_norm", "norm_gemv"]
 
 
 # %% ../../notebooks/deep_dives/06_small_batch_kernels.ipynb #5f042118
@@ -147,6 +147,19 @@ def _norm_gemv_kernel(
 
 
 # %% ../../notebooks/deep_dives/06_small_batch_kernels.ipynb #7184fa7e
+def check_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, name: str) -> None:
+    "A fused norm's residual is x's shape and dtype (or None), its weight [K] of x's dtype."
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"{name}'s residual must match x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}"
+        )
+    if norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype:
+        raise ValueError(
+            f"{name}'s norm_weight must be [{x.shape[1]}] of {x.dtype}, "
+            f"got {tuple(norm_weight.shape)} {norm_weight.dtype}"
+        )
+
+
 def norm_gemv(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -159,15 +172,7 @@ def norm_gemv(
     the product and `x + residual`, the residual carried on (`x` itself when `residual` is None)."""
     x, weight = check_row(x, weight, fuse_silu, "norm_gemv")
     k = x.shape[1]
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(
-            f"norm_gemv's residual must match x {tuple(x.shape)} {x.dtype}, "
-            f"got {tuple(residual.shape)} {residual.dtype}"
-        )
-    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
-        raise ValueError(
-            f"norm_gemv's norm_weight must be [{k}] of {x.dtype}, got {tuple(norm_weight.shape)} {norm_weight.dtype}"
-        )
+    check_norm(x, residual, norm_weight, "norm_gemv")
     n = weight.shape[0] // 2 if fuse_silu else weight.shape[0]
     y, total = torch.empty(1, n, dtype=x.dtype, device=x.device), x if residual is None else torch.empty_like(x)
     block_k, pdl = triton.next_power_of_2(k), use_pdl(x.device, x.shape[0])
