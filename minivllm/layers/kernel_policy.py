@@ -12,7 +12,7 @@ from torch import nn
 from .attention_backends.base import AttentionBackend, make_attention_backend
 from .attention_backends.torch_backend import TorchAttentionBackend
 
-FEW_ROWS = os.environ.get("MINIVLLM_FEW_ROWS", "0") == "1"  # few-row products: opt-in until measured on a GPU
+FEW_ROWS = os.environ.get("MINIVLLM_FEW_ROWS", "0") == "1"  # few-row products: opt-in, no faster than cuBLAS (06)
 
 
 @dataclass(frozen=True)
