@@ -57,3 +57,36 @@ def test_a_moved_anchor_is_an_error(variant_tree, tmp_path):
     (tree / "minivllm/kernels/common.py").write_text("PDL_MAX_ROWS = 4  # moved\n")
     with pytest.raises(SystemExit, match="PDL_MAX_ROWS"):
         variant_tree.edit_few_row(tree, 16)
+
+
+def test_the_probes_tiles_drive_the_packages_few_row_products(variant_tree, tmp_path):
+    best = {
+        "qkv": [16, 1024, 8, 1, 2],
+        "o": [16, 1024, 4, 2, 2],
+        "gate_up": [32, 1024, 8, 1, 1],
+        "down": [32, 512, 4, 3, 1],
+    }
+    probe = {"rows": {"8": {"check": {}, "best": best}, "32": {"check": {}, "best": best}}}
+    tiles = variant_tree.probe_tiles(probe)
+    assert tiles[(1024, 2048, False, False)] == [16, 1024, 4, 2, 2]
+    tree = variant_tree.make_tree(tmp_path / "v", tuned_few_rows=tiles, few_rows_max=16)
+    (tree / "minivllm/data").symlink_to(ROOT / "minivllm/data")
+    script = (
+        "import torch, torch.nn.functional as F\n"
+        "from minivllm.kernels import few_rows\n"
+        "from minivllm.layers import kernel_policy\n"
+        "assert kernel_policy.FEW_ROWS and few_rows.FEW_ROWS_MAX == 16\n"
+        "print(few_rows.few_rows_tiles(8, 4096, 1024, True), few_rows.few_rows_tiles(8, 3072, 1024, True, True))\n"
+        "print(few_rows.few_rows_tiles(8, 1024, 3072, False), few_rows.few_rows_tiles(32, 1024, 3072, False))\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x, w = torch.randn(5, 2048, generator=g).half(), (torch.randn(1024, 2048, generator=g) / 40).half()\n"
+        "want = F.linear(x.float(), w.float())\n"
+        "print(float((few_rows.few_rows_mm(x, w).float() - want).abs().max() / want.abs().max()))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(tree), TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-P", "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "(16, 16, 1024, 1, 8) (16, 32, 1024, 1, 8)"  # the probe's tiles at 8 rows
+    assert lines[1].startswith("(16, 32, 512, 3, 4) (32, ")  # 32 rows: the package's own tiles
+    assert float(lines[2]) < 2e-3  # o's product in the probe's tiles (two 1,024-input steps), float16 rounding

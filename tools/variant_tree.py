@@ -5,6 +5,7 @@ issue 52's small batches measured in the engine beside main, in one call, before
     python tools/variant_tree.py DEST --decode-launch 8=64,4,3,4        # batch=tile,warps,stages,splits (repeatable)
     python tools/variant_tree.py DEST --few-row 16     # 2 to 16 rows: tensor-core products launched early (below)
     python tools/variant_tree.py DEST --fused-gate-up 64   # 2 to 64 rows: gate/up product and SiLU in one kernel
+    python tools/variant_tree.py DEST --tuned-few-rows PROBE.json  # the package's few-row products, the probe's tiles
     python tools/variant_tree.py DEST --src OTHER_TREE ...  # start from another tree (default: this repository)
 
 The edits, each on a CUDA device only (a CPU run is the package's):
@@ -16,6 +17,9 @@ The edits, each on a CUDA device only (a CPU run is the package's):
   (`PDL_MAX_ROWS`), so the kernel before each product starts it early too.
 - `--fused-gate-up N`: the MLP of 2 to N rows runs `tools/gate_up_silu_bench.py`'s fused kernel in 16 x 64 x 128
   tiles (8.0 against 9.1-9.3 us at 8 and 32 rows as graph replays, figures/52_gate_up_silu_graphs_h100.json).
+- `--tuned-few-rows PROBE.json`: the package's own few-row products (`kernels/few_rows.py`), on without
+  `MINIVLLM_FEW_ROWS`, at 2 to `--few-rows-max` rows (default 16), each product of up to 16 rows in the tile, warps,
+  stages and L2 prefetch that `tools/few_row_chain_probe.py` found fastest at 8 rows (its PROBE.json's `best`).
 The tools' modules are copied to DEST's top level, beside `minivllm`, where the edited package imports them.
 """
 
@@ -85,7 +89,50 @@ def edit_fused_gate_up(tree: Path, rows: int) -> None:
     replace_once(tree / "minivllm/models/qwen3.py", old, new + old)
 
 
-def make_tree(dest: Path, src: Path = ROOT, launches=None, few_row: int = 0, fused_gate_up: int = 0) -> Path:
+PROBE_SHAPES = {  # the probe's products (Qwen3-0.6B): (outputs, inputs, norm inside, activation inside)
+    "qkv": (4096, 1024, True, False),
+    "o": (1024, 2048, False, False),
+    "gate_up": (3072, 1024, True, True),
+    "down": (1024, 3072, False, False),
+}
+
+
+def probe_tiles(probe: dict) -> dict[tuple, list[int]]:
+    "The probe's fastest (block_n, block_k, warps, stages, prefetch mode) per product, keyed by the launcher's shape."
+    swept = [r["best"] for r in probe["rows"].values() if "best" in r]
+    if not swept:
+        raise SystemExit("variant_tree: the probe's results hold no `best` tiles (run it on a GPU)")
+    return {PROBE_SHAPES[name]: list(cfg) for name, cfg in swept[0].items()}
+
+
+def edit_tuned_few_rows(tree: Path, tiles: dict[tuple, list[int]], most_rows: int) -> None:
+    path = tree / "minivllm/kernels/few_rows.py"
+    old = "    block_m = max(16, triton.next_power_of_2(m))\n"
+    new = (
+        f"    tuned = {tiles!r}.get((n, k, norm, fuse_silu))  # (tools/variant_tree.py --tuned-few-rows)\n"
+        "    if tuned and m <= 16:\n"
+        "        block_k = triton.next_power_of_2(k) if norm else min(tuned[1], triton.next_power_of_2(k))\n"
+        "        return 16, tuned[0], block_k, tuned[3], tuned[2]\n"
+    )
+    replace_once(path, old, new + old)
+    prefetch = {shape: cfg[4] == 2 for shape, cfg in tiles.items()}
+    old = "        PREFETCH_L2=FEW_ROWS_L2 and pdl and k > 2048,\n"
+    new = f"        PREFETCH_L2=FEW_ROWS_L2 and pdl and {prefetch!r}.get((n, k, norm, fuse_silu), k > 2048),\n"
+    replace_once(path, old, new)
+    replace_once(path, "FEW_ROWS_MAX = 32 ", f"FEW_ROWS_MAX = {most_rows} ")
+    old = 'os.environ.get("MINIVLLM_FEW_ROWS", "0")'
+    replace_once(tree / "minivllm/layers/kernel_policy.py", old, old.replace('"0"', '"1"'))
+
+
+def make_tree(
+    dest: Path,
+    src: Path = ROOT,
+    launches=None,
+    few_row: int = 0,
+    fused_gate_up: int = 0,
+    tuned_few_rows: dict | None = None,
+    few_rows_max: int = 16,
+) -> Path:
     "Copy `src`'s package (without the embedded tiny model's data) to `dest` and apply the chosen edits."
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(src / "minivllm", dest / "minivllm", ignore=shutil.ignore_patterns("data", "__pycache__"))
@@ -95,7 +142,12 @@ def make_tree(dest: Path, src: Path = ROOT, launches=None, few_row: int = 0, fus
         edit_few_row(dest, few_row)
     if fused_gate_up:
         edit_fused_gate_up(dest, fused_gate_up)
+    if tuned_few_rows:
+        edit_tuned_few_rows(dest, tuned_few_rows, few_rows_max)
     edits = dict(decode_launch=launches or {}, few_row=few_row, fused_gate_up=fused_gate_up, src=str(src))
+    if tuned_few_rows:
+        edits["tuned_few_rows"] = {str(shape): cfg for shape, cfg in tuned_few_rows.items()}
+        edits["few_rows_max"] = few_rows_max
     (dest / "variant.json").write_text(json.dumps(edits, indent=1))
     return dest
 
@@ -116,10 +168,13 @@ def main() -> None:
     ap.add_argument("--decode-launch-from", type=Path, default=None, metavar="SWEEP.json")
     ap.add_argument("--few-row", type=int, default=0, metavar="N")
     ap.add_argument("--fused-gate-up", type=int, default=0, metavar="N")
+    ap.add_argument("--tuned-few-rows", type=Path, default=None, metavar="PROBE.json")
+    ap.add_argument("--few-rows-max", type=int, default=16, metavar="N")
     args = ap.parse_args()
     launches = best_launches(json.loads(args.decode_launch_from.read_text())) if args.decode_launch_from else {}
     launches.update(dict(args.decode_launch))
-    tree = make_tree(args.dest, args.src, launches, args.few_row, args.fused_gate_up)
+    tiles = probe_tiles(json.loads(args.tuned_few_rows.read_text())) if args.tuned_few_rows else None
+    tree = make_tree(args.dest, args.src, launches, args.few_row, args.fused_gate_up, tiles, args.few_rows_max)
     print(f"{tree}: {(tree / 'variant.json').read_text()}")
 
 
