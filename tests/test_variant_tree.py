@@ -16,6 +16,14 @@ from _tools import load_tool
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_in_tree(tree: Path, script: str) -> str:
+    "Run `script` in a fresh interpreter that imports `tree`'s package (Triton's interpreter); its standard output."
+    env = dict(os.environ, PYTHONPATH=str(tree), TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-P", "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
 @pytest.fixture(scope="module")
 def variant_tree():
     return load_tool("variant_tree")
@@ -46,10 +54,7 @@ def test_every_edit_applies_and_the_tree_runs_on_a_cpu(variant_tree, tmp_path):
         "x, w = torch.randn(8, 64, generator=g), torch.randn(32, 64, generator=g)\n"
         "assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(tree), TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-P", "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == str(tree / "minivllm" / "__init__.py")
+    assert run_in_tree(tree, script).strip() == str(tree / "minivllm" / "__init__.py")
 
 
 def test_a_moved_anchor_is_an_error(variant_tree, tmp_path):
@@ -83,10 +88,7 @@ def test_the_probes_tiles_drive_the_packages_few_row_products(variant_tree, tmp_
         "want = F.linear(x.float(), w.float())\n"
         "print(float((few_rows.few_rows_mm(x, w).float() - want).abs().max() / want.abs().max()))\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(tree), TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-P", "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.splitlines()
+    lines = run_in_tree(tree, script).splitlines()
     assert lines[0] == "(16, 16, 1024, 1, 8) (16, 32, 1024, 1, 8)"  # the probe's tiles at 8 rows
     assert lines[1].startswith("(16, 32, 512, 3, 4) (32, ")  # 32 rows: the package's own tiles
     assert float(lines[2]) < 2e-3  # o's product in the probe's tiles (two 1,024-input steps), float16 rounding
