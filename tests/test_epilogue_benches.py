@@ -1,7 +1,8 @@
 """The GPU experiments' kernels, checked on a CPU (Triton's interpreter) before a GPU times them:
 tools/gate_up_silu_bench.py (the MLP's product with its activation, plain and by tensor descriptors),
 tools/qkv_epilogue_bench.py (the qkv product with the q/k norms, rotation and K/V write) and
-tools/l2_prefetch_probe.py (its prefetch kernel visits every line of a tensor once)."""
+tools/l2_prefetch_probe.py (its prefetch kernel visits every line of a tensor once) and
+tools/persistent_decode_probe.py (a decode step's layers in one persistent kernel, against torch)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,11 @@ def test_the_qkv_epilogue_kernel_writes_what_qk_norm_rope_store_writes():
 def test_the_prefetch_kernel_visits_every_line_once():
     probe = tool("l2_prefetch_probe")
     probe.check()
+
+
+def test_the_persistent_decode_kernel_matches_its_torch_reference():
+    probe = tool("persistent_decode_probe")
+    for splits in (1, 2):  # one split: the output written at once; two: merged by the last split to finish
+        got = probe.check(probe.TINY, "cpu", torch.float32, 3, 40, 16, splits, block_n=16)
+        assert got["err"] == 0, got
+        assert max(got["h"], got["k"], got["v"]) < 1e-5, got

@@ -61,3 +61,15 @@ def test_the_tool_refuses_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, str(TOOL)], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "without TRITON_INTERPRET" in run.stderr
+
+
+def test_the_persistent_decode_probe_fits_one_program_an_sm(tmp_path):
+    "tools/persistent_decode_probe.py waits at grid barriers: every program must be resident at once, one an SM."
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    probe = TOOL.parent / "persistent_decode_probe.py"
+    out = tmp_path / "sm90.json"
+    run = subprocess.run([sys.executable, str(probe), str(out), "--compile-only"], env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    usage = json.loads(out.read_text())["sm90"]
+    assert usage["registers"] * 256 <= 65536 and usage["shared"] <= 227 * 1024, usage  # 8 warps; an H100's SM
