@@ -396,7 +396,7 @@ class Step:
     "Buffers and one launch of the persistent kernel for a batch; `run()` is graph-capturable."
 
     def __init__(self, shape, model, batch, programs, splits, block_n=64, tiles=(32, 16, 32, 16), warps=8, stages=2,
-                 prefetch=True, lm_head=True, kc=256):  # fmt: skip
+                 prefetch=True, lm_head=True, kc=256, parts=31):  # fmt: skip
         self.shape, self.model, self.batch = shape, model, batch
         L, H, QH, KVH, D, INTER = (shape[k] for k in ("L", "H", "QH", "KVH", "D", "INTER"))
         B = batch["h"].shape[0]
@@ -416,6 +416,7 @@ class Step:
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
         self.k_cache, self.v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
         self.tiles, self.block_n, self.warps, self.stages, self.prefetch = tiles, block_n, warps, stages, prefetch
+        self.parts = parts  # which stages run (bits: qkv, attention, o, gate/up, down): the rest is barriers
         self.lm_head = lm_head
         self.kc = min(kc, INTER & -INTER)  # a power of two dividing every product's inputs
 
@@ -432,7 +433,7 @@ class Step:
             PAGE=self.k_cache.shape[2], BM=max(16, triton.next_power_of_2(self.B)), GP=self.gp, S=self.S,
             BLOCK_N=self.block_n, BN_QKV=bn_qkv, BN_O=bn_o, BN_GU=bn_gu, BN_DOWN=bn_down,
             PREFETCH=self.prefetch and not INTERPRET, DOT_FP32=INTERPRET and self.h.dtype == torch.bfloat16,
-            num_warps=self.warps, num_stages=self.stages,
+            PARTS=self.parts, num_warps=self.warps, num_stages=self.stages,
         )  # fmt: skip
         if self.lm_head:
             return F.linear(rms(self.h[-1], m["norm"]), m["lm_head"])
@@ -546,7 +547,12 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 (no GPU needed): registers, stack")
-    ap.add_argument("--configs", nargs="*", default=None, help="splits:block_n:warps:stages:prefetch, e.g. 2:64:8:2:1")
+    ap.add_argument(
+        "--configs",
+        nargs="*",
+        default=None,
+        help="splits:block_n:warps:stages:prefetch[:parts], e.g. 2:64:8:2:1 (parts 0: barriers only)",
+    )
     args = ap.parse_args()
     result: dict = {"args": vars(args)}
     if args.compile_only:
@@ -586,8 +592,8 @@ def main() -> None:
         r["torch_chain_ms"] = bench(torch_chain(shape, model, batch, base))
         r["lm_head_ms"] = bench(functools.partial(lm_head, base.h[0], model))
         for cfg in configs:
-            s, bn, w, st, pf = (int(v) for v in cfg.split(":"))
-            step = Step(shape, model, batch, sms, s, block_n=bn, warps=w, stages=st, prefetch=bool(pf))
+            s, bn, w, st, pf, parts = ([int(v) for v in cfg.split(":")] + [31])[:6]
+            step = Step(shape, model, batch, sms, s, block_n=bn, warps=w, stages=st, prefetch=bool(pf), parts=parts)
             try:
                 step.run()
                 torch.cuda.synchronize()
