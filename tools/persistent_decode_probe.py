@@ -44,9 +44,18 @@ EPS = 1e-6
 
 
 @triton.jit
-def _grid_sync(bar_ptr, err_ptr, target):
-    "Wait until `target` arrivals: every program's stores before it are visible to every program after it."
+def _now():
+    "The GPU's global nanosecond clock."
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _grid_sync(bar_ptr, err_ptr, target, times_ptr, TIMELINE: tl.constexpr):
+    """Wait until `target` arrivals: every program's stores before it are visible to every program after it.
+    TIMELINE: the program's clock at arrival and at leaving, at times_ptr[0] and [1]."""
     tl.debug_barrier()
+    if TIMELINE:
+        tl.store(times_ptr, _now())
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
     seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
     polls = tl.where(tl.load(err_ptr, volatile=True) != 0, MAX_POLLS, 0)  # an earlier barrier gave up: so do we
@@ -56,6 +65,8 @@ def _grid_sync(bar_ptr, err_ptr, target):
     if polls >= MAX_POLLS:
         tl.atomic_xchg(err_ptr, 1)
     tl.debug_barrier()
+    if TIMELINE:
+        tl.store(times_ptr + 1, _now())
 
 
 @triton.jit
@@ -113,6 +124,7 @@ def _persistent_decode_kernel(
     part_lse_ptr,  # [L, B * QH * S] float32
     count_ptr,  # [1 + L * B * KVH] int32, zeroed: the barrier, then the merge counters
     err_ptr,
+    times_ptr,  # [P, 5 L + 1, 2] int64 (TIMELINE): each barrier's arrival and leaving; the start and end last
     w_qkv_ptr,
     w_o_ptr,
     w_gu_ptr,
@@ -150,6 +162,7 @@ def _persistent_decode_kernel(
     PREFETCH: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PARTS: tl.constexpr = 31,
+    TIMELINE: tl.constexpr = False,
 ):
     pid, P = tl.program_id(0), tl.num_programs(0)
     QKV: tl.constexpr = (QH + 2 * KVH) * D
@@ -159,6 +172,8 @@ def _persistent_decode_kernel(
     bar = count_ptr
     syncs = 0
     items = B * KVH * S
+    if TIMELINE:
+        tl.store(times_ptr + (pid * (5 * L + 1) + 5 * L) * 2, _now())
     for layer in tl.range(0, L, num_stages=1):
         # qkv = rms_norm(h) @ w_qkv.T
         for t in tl.range(pid, QKV // BN_QKV if PARTS & 1 else 0, P, num_stages=1):
@@ -171,7 +186,7 @@ def _persistent_decode_kernel(
             out = qkv_ptr + (layer * B + rows[:, None]) * QKV + n_qkv[None, :]
             tl.store(out, y.to(qkv_ptr.dtype.element_ty), mask=row_ok[:, None])
         syncs += 1
-        _grid_sync(bar, err_ptr, syncs * P)
+        _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE)
         # attention: program `item` holds (sequence, KV head, split)
         nxt_o = pid * BN_O + tl.arange(0, BN_O)
         _prefetch(w_o_ptr + layer * H * QH * D, nxt_o, H, QH * D, PREFETCH)
@@ -240,7 +255,7 @@ def _persistent_decode_kernel(
                     l0 = tl.where(l0 > 0, l0, 1.0)
                     tl.store(attn, (a0 / l0[:, None]).to(attn_ptr.dtype.element_ty), mask=hmask[:, None])
         syncs += 1
-        _grid_sync(bar, err_ptr, syncs * P)
+        _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE)
         # h' = h + attn @ w_o.T, a tile of columns each
         for t in tl.range(pid, H // BN_O if PARTS & 4 else 0, P, num_stages=1):
             n_o = t * BN_O + tl.arange(0, BN_O)
@@ -255,7 +270,7 @@ def _persistent_decode_kernel(
         _prefetch(w_gu_ptr + layer * 2 * INTER * H, nxt_gu, INTER, H, PREFETCH)
         _prefetch(w_gu_ptr + (layer * 2 * INTER + INTER) * H, nxt_gu, INTER, H, PREFETCH)
         syncs += 1
-        _grid_sync(bar, err_ptr, syncs * P)
+        _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE)
         # act = silu(x @ gate.T) * (x @ up.T), x = rms_norm(h')
         for t in tl.range(pid, INTER // BN_GU if PARTS & 8 else 0, P, num_stages=1):
             n_gu = t * BN_GU + tl.arange(0, BN_GU)
@@ -277,7 +292,7 @@ def _persistent_decode_kernel(
         nxt_dn = pid * BN_DOWN + tl.arange(0, BN_DOWN)
         _prefetch(w_down_ptr + layer * H * INTER, nxt_dn, H, INTER, PREFETCH)
         syncs += 1
-        _grid_sync(bar, err_ptr, syncs * P)
+        _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE)
         # h'' = h' + act @ w_down.T
         for t in tl.range(pid, H // BN_DOWN if PARTS & 16 else 0, P, num_stages=1):
             n_dn = t * BN_DOWN + tl.arange(0, BN_DOWN)
@@ -294,7 +309,9 @@ def _persistent_decode_kernel(
             nxt_qkv = pid * BN_QKV + tl.arange(0, BN_QKV)
             _prefetch(w_qkv_ptr + (layer + 1) * QKV * H, nxt_qkv, QKV, H, PREFETCH)
             syncs += 1
-            _grid_sync(bar, err_ptr, syncs * P)
+            _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE)
+    if TIMELINE:
+        tl.store(times_ptr + (pid * (5 * L + 1) + 5 * L) * 2 + 1, _now())
 
 
 QWEN3_06B = dict(L=28, H=1024, QH=16, KVH=8, D=128, INTER=3072, V=151936)
@@ -396,7 +413,7 @@ class Step:
     "Buffers and one launch of the persistent kernel for a batch; `run()` is graph-capturable."
 
     def __init__(self, shape, model, batch, programs, splits, block_n=64, tiles=(32, 16, 32, 16), warps=8, stages=2,
-                 prefetch=True, lm_head=True, kc=256, parts=31):  # fmt: skip
+                 prefetch=True, lm_head=True, kc=256, parts=31, timeline=False):  # fmt: skip
         self.shape, self.model, self.batch = shape, model, batch
         L, H, QH, KVH, D, INTER = (shape[k] for k in ("L", "H", "QH", "KVH", "D", "INTER"))
         B = batch["h"].shape[0]
@@ -417,6 +434,7 @@ class Step:
         self.k_cache, self.v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
         self.tiles, self.block_n, self.warps, self.stages, self.prefetch = tiles, block_n, warps, stages, prefetch
         self.parts = parts  # which stages run (bits: qkv, attention, o, gate/up, down): the rest is barriers
+        self.times = torch.zeros(programs, 5 * L + 1, 2, dtype=torch.int64, device=dev) if timeline else None
         self.lm_head = lm_head
         self.kc = min(kc, INTER & -INTER)  # a power of two dividing every product's inputs
 
@@ -426,6 +444,7 @@ class Step:
         bn_qkv, bn_o, bn_gu, bn_down = self.tiles
         _persistent_decode_kernel[(self.P,)](
             self.h, self.qkv, self.qs, self.attn, self.act, self.part_out, self.part_lse, self.counts, self.err,
+            self.err if self.times is None else self.times,
             m["w_qkv"], m["w_o"], m["w_gu"], m["w_down"], m["ln1"], m["ln2"], m["qn"], m["kn"], m["cos_sin"],
             self.k_cache, self.v_cache, b["tables"], b["context_lens"],
             self.B, b["tables"].stride(0), self.k_cache.stride(0), (s["D"] ** -0.5) * math.log2(math.e), EPS,
@@ -433,7 +452,8 @@ class Step:
             PAGE=self.k_cache.shape[2], BM=max(16, triton.next_power_of_2(self.B)), GP=self.gp, S=self.S,
             BLOCK_N=self.block_n, BN_QKV=bn_qkv, BN_O=bn_o, BN_GU=bn_gu, BN_DOWN=bn_down,
             PREFETCH=self.prefetch and not INTERPRET, DOT_FP32=INTERPRET and self.h.dtype == torch.bfloat16,
-            PARTS=self.parts, num_warps=self.warps, num_stages=self.stages,
+            PARTS=self.parts, TIMELINE=self.times is not None,
+            num_warps=self.warps, num_stages=self.stages,
         )  # fmt: skip
         if self.lm_head:
             return F.linear(rms(self.h[-1], m["norm"]), m["lm_head"])
@@ -495,6 +515,22 @@ def hopper_usage(batch=8, splits=2, block_n=64, warps=8, stages=2, kc=256, parts
     line = next(x for x in out.splitlines() if "REG:" in x)
     usage = {key: int(line.split(key + ":")[1].split()[0]) for key in ("REG", "STACK")}
     return dict(registers=usage["REG"], stack=usage["STACK"], shared=kernel.metadata.shared)
+
+
+def stage_times(times: torch.Tensor, L: int) -> dict:
+    """From a TIMELINE run's clocks [P, 5 L + 1, 2]: per stage kind, mean us a layer of the critical path (leaving
+    the barrier before to leaving the barrier after) and of the slowest program's work (leaving to arriving)."""
+    t = times.double().cpu()
+    start, end = t[:, 5 * L, 0].median(), t[:, 5 * L, 1].median()
+    leave = torch.cat([start.view(1), t[:, : 5 * L - 1, 1].median(0).values, end.view(1)])  # 5 L + 1 marks
+    arrive = torch.cat([t[:, : 5 * L - 1, 0], t[:, 5 * L : 5 * L + 1, 1]], 1)  # the last stage "arrives" at the end
+    out = {"total_us": float(end - start) / 1e3}
+    for j, kind in enumerate(("qkv", "attention", "o", "gate_up", "down")):
+        idx = list(range(j, 5 * L, 5))
+        path = [(leave[i + 1] - leave[i]).item() for i in idx]
+        work = [(arrive[:, i].max() - leave[i]).item() for i in idx]
+        out[kind] = {"path_us": sum(path) / len(idx) / 1e3, "slowest_work_us": sum(work) / len(idx) / 1e3}
+    return out
 
 
 def bench(fn, rep=200) -> float:
@@ -599,6 +635,14 @@ def main() -> None:
                 torch.cuda.synchronize()
                 ms = bench(step.run)
                 r[cfg] = {"ms": ms, "err": int(step.err.item())}
+                if cfg == configs[0]:  # where the time goes, from the GPU's clock at each barrier
+                    timed = Step(shape, model, batch, sms, s, block_n=bn, warps=w, stages=st, prefetch=bool(pf),
+                                 parts=parts, timeline=True)  # fmt: skip
+                    for _ in range(3):
+                        timed.run()
+                    torch.cuda.synchronize()
+                    r["stages"] = stage_times(timed.times, shape["L"])
+                    print(b, "stages", r["stages"], flush=True)
             except Exception as e:  # a launch that does not fit
                 r[cfg] = {"error": str(e)[:300]}
             print(b, cfg, r[cfg], flush=True)
