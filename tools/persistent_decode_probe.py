@@ -50,17 +50,30 @@ def _now():
 
 
 @triton.jit
-def _grid_sync(bar_ptr, err_ptr, target, times_ptr, TIMELINE: tl.constexpr):
+def _poll(bar_ptr, ACQUIRE_LOADS: tl.constexpr):
+    """The barrier's count, read with acquire order: a plain load (`ld.acquire.gpu`) on a GPU, which many programs
+    can poll at once; an atomic read-modify-write (which serializes at the L2 cache) in the interpreter."""
+    if ACQUIRE_LOADS:
+        seen = tl.inline_asm_elementwise(
+            "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [bar_ptr + tl.zeros([1], tl.int32)], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
+        return tl.max(seen, 0)
+    return tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _grid_sync(bar_ptr, err_ptr, target, times_ptr, TIMELINE: tl.constexpr, ACQUIRE_LOADS: tl.constexpr):
     """Wait until `target` arrivals: every program's stores before it are visible to every program after it.
     TIMELINE: the program's clock at arrival and at leaving, at times_ptr[0] and [1]."""
     tl.debug_barrier()
     if TIMELINE:
         tl.store(times_ptr, _now())
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    seen = _poll(bar_ptr, ACQUIRE_LOADS)
     polls = tl.where(tl.load(err_ptr, volatile=True) != 0, MAX_POLLS, 0)  # an earlier barrier gave up: so do we
     while (seen < target) & (polls < MAX_POLLS):
-        seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+        seen = _poll(bar_ptr, ACQUIRE_LOADS)
         polls += 1
     if polls >= MAX_POLLS:
         tl.atomic_xchg(err_ptr, 1)
@@ -95,11 +108,11 @@ def _rows_rstd(x_ptr, rows, B, K: tl.constexpr, eps):
 
 @triton.jit
 def _rows_product(x_ptr, rows, B, w_ptr, n, K: tl.constexpr, KC: tl.constexpr, rstd, nw_ptr, NORM: tl.constexpr,
-                  DOT_FP32: tl.constexpr):  # fmt: skip
+                  DOT_FP32: tl.constexpr, K_STAGES: tl.constexpr):  # fmt: skip
     """x[rows] @ w[n].T in float32 over chunks of KC inputs; NORM: x is rms_norm(x) * nw first, rounded as the engine
     rounds (`rstd` from `_rows_rstd`)."""
     acc = tl.zeros([rows.shape[0], n.shape[0]], tl.float32)
-    for c in tl.range(0, K // KC, num_stages=1):
+    for c in tl.range(0, K // KC, num_stages=K_STAGES):
         k = c * KC + tl.arange(0, KC)
         x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows < B)[:, None], other=0.0)
         if NORM:
@@ -163,6 +176,8 @@ def _persistent_decode_kernel(
     DOT_FP32: tl.constexpr,
     PARTS: tl.constexpr = 31,
     TIMELINE: tl.constexpr = False,
+    ACQUIRE_LOADS: tl.constexpr = True,
+    K_STAGES: tl.constexpr = 3,
 ):
     pid, P = tl.program_id(0), tl.num_programs(0)
     QKV: tl.constexpr = (QH + 2 * KVH) * D
@@ -181,12 +196,23 @@ def _persistent_decode_kernel(
             h_in = h_ptr + (2 * layer) * B * H
             rstd = _rows_rstd(h_in, rows, B, H, eps)
             y = _rows_product(
-                h_in, rows, B, w_qkv_ptr + layer * QKV * H, n_qkv, H, KC, rstd, ln1_ptr + layer * H, True, DOT_FP32
+                h_in,
+                rows,
+                B,
+                w_qkv_ptr + layer * QKV * H,
+                n_qkv,
+                H,
+                KC,
+                rstd,
+                ln1_ptr + layer * H,
+                True,
+                DOT_FP32,
+                K_STAGES,
             )
             out = qkv_ptr + (layer * B + rows[:, None]) * QKV + n_qkv[None, :]
             tl.store(out, y.to(qkv_ptr.dtype.element_ty), mask=row_ok[:, None])
         syncs += 1
-        _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE)
+        _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE, ACQUIRE_LOADS)
         # attention: program `item` holds (sequence, KV head, split)
         nxt_o = pid * BN_O + tl.arange(0, BN_O)
         _prefetch(w_o_ptr + layer * H * QH * D, nxt_o, H, QH * D, PREFETCH)
@@ -255,12 +281,14 @@ def _persistent_decode_kernel(
                     l0 = tl.where(l0 > 0, l0, 1.0)
                     tl.store(attn, (a0 / l0[:, None]).to(attn_ptr.dtype.element_ty), mask=hmask[:, None])
         syncs += 1
-        _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE)
+        _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE, ACQUIRE_LOADS)
         # h' = h + attn @ w_o.T, a tile of columns each
         for t in tl.range(pid, H // BN_O if PARTS & 4 else 0, P, num_stages=1):
             n_o = t * BN_O + tl.arange(0, BN_O)
             x_in = attn_ptr + layer * B * QH * D
-            o = _rows_product(x_in, rows, B, w_o_ptr + layer * H * QH * D, n_o, QH * D, KC, rows, x_in, False, DOT_FP32)
+            o = _rows_product(
+                x_in, rows, B, w_o_ptr + layer * H * QH * D, n_o, QH * D, KC, rows, x_in, False, DOT_FP32, K_STAGES
+            )
             o = o.to(h_ptr.dtype.element_ty)
             cols = rows[:, None] * H + n_o[None, :]
             res = tl.load(h_ptr + (2 * layer) * B * H + cols, mask=row_ok[:, None], other=0.0)
@@ -270,16 +298,18 @@ def _persistent_decode_kernel(
         _prefetch(w_gu_ptr + layer * 2 * INTER * H, nxt_gu, INTER, H, PREFETCH)
         _prefetch(w_gu_ptr + (layer * 2 * INTER + INTER) * H, nxt_gu, INTER, H, PREFETCH)
         syncs += 1
-        _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE)
+        _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE, ACQUIRE_LOADS)
         # act = silu(x @ gate.T) * (x @ up.T), x = rms_norm(h')
         for t in tl.range(pid, INTER // BN_GU if PARTS & 8 else 0, P, num_stages=1):
             n_gu = t * BN_GU + tl.arange(0, BN_GU)
             h_in = h_ptr + (2 * layer + 1) * B * H
             rstd = _rows_rstd(h_in, rows, B, H, eps)
             w_gate = w_gu_ptr + layer * 2 * INTER * H
-            gate = _rows_product(h_in, rows, B, w_gate, n_gu, H, KC, rstd, ln2_ptr + layer * H, True, DOT_FP32)
+            gate = _rows_product(
+                h_in, rows, B, w_gate, n_gu, H, KC, rstd, ln2_ptr + layer * H, True, DOT_FP32, K_STAGES
+            )
             up = _rows_product(
-                h_in, rows, B, w_gate + INTER * H, n_gu, H, KC, rstd, ln2_ptr + layer * H, True, DOT_FP32
+                h_in, rows, B, w_gate + INTER * H, n_gu, H, KC, rstd, ln2_ptr + layer * H, True, DOT_FP32, K_STAGES
             )
             gate = gate.to(act_ptr.dtype.element_ty).to(tl.float32)  # the engine rounds the product, then SiLU
             up = up.to(act_ptr.dtype.element_ty).to(tl.float32)
@@ -292,13 +322,13 @@ def _persistent_decode_kernel(
         nxt_dn = pid * BN_DOWN + tl.arange(0, BN_DOWN)
         _prefetch(w_down_ptr + layer * H * INTER, nxt_dn, H, INTER, PREFETCH)
         syncs += 1
-        _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE)
+        _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE, ACQUIRE_LOADS)
         # h'' = h' + act @ w_down.T
         for t in tl.range(pid, H // BN_DOWN if PARTS & 16 else 0, P, num_stages=1):
             n_dn = t * BN_DOWN + tl.arange(0, BN_DOWN)
             x_in = act_ptr + layer * B * INTER
             acc = _rows_product(
-                x_in, rows, B, w_down_ptr + layer * H * INTER, n_dn, INTER, KC, rows, x_in, False, DOT_FP32
+                x_in, rows, B, w_down_ptr + layer * H * INTER, n_dn, INTER, KC, rows, x_in, False, DOT_FP32, K_STAGES
             )
             cols = rows[:, None] * H + n_dn[None, :]
             res = tl.load(h_ptr + (2 * layer + 1) * B * H + cols, mask=row_ok[:, None], other=0.0)
@@ -309,7 +339,9 @@ def _persistent_decode_kernel(
             nxt_qkv = pid * BN_QKV + tl.arange(0, BN_QKV)
             _prefetch(w_qkv_ptr + (layer + 1) * QKV * H, nxt_qkv, QKV, H, PREFETCH)
             syncs += 1
-            _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE)
+            _grid_sync(
+                bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE, ACQUIRE_LOADS
+            )
     if TIMELINE:
         tl.store(times_ptr + (pid * (5 * L + 1) + 5 * L) * 2 + 1, _now())
 
@@ -413,7 +445,7 @@ class Step:
     "Buffers and one launch of the persistent kernel for a batch; `run()` is graph-capturable."
 
     def __init__(self, shape, model, batch, programs, splits, block_n=64, tiles=(32, 16, 32, 16), warps=8, stages=2,
-                 prefetch=True, lm_head=True, kc=256, parts=31, timeline=False):  # fmt: skip
+                 prefetch=False, lm_head=True, kc=256, parts=31, timeline=False, k_stages=3):  # fmt: skip
         self.shape, self.model, self.batch = shape, model, batch
         L, H, QH, KVH, D, INTER = (shape[k] for k in ("L", "H", "QH", "KVH", "D", "INTER"))
         B = batch["h"].shape[0]
@@ -433,6 +465,7 @@ class Step:
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
         self.k_cache, self.v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
         self.tiles, self.block_n, self.warps, self.stages, self.prefetch = tiles, block_n, warps, stages, prefetch
+        self.k_stages = k_stages
         self.parts = parts  # which stages run (bits: qkv, attention, o, gate/up, down): the rest is barriers
         self.times = torch.zeros(programs, 5 * L + 1, 2, dtype=torch.int64, device=dev) if timeline else None
         self.lm_head = lm_head
@@ -452,7 +485,8 @@ class Step:
             PAGE=self.k_cache.shape[2], BM=max(16, triton.next_power_of_2(self.B)), GP=self.gp, S=self.S,
             BLOCK_N=self.block_n, BN_QKV=bn_qkv, BN_O=bn_o, BN_GU=bn_gu, BN_DOWN=bn_down,
             PREFETCH=self.prefetch and not INTERPRET, DOT_FP32=INTERPRET and self.h.dtype == torch.bfloat16,
-            PARTS=self.parts, TIMELINE=self.times is not None,
+            PARTS=self.parts, TIMELINE=self.times is not None, ACQUIRE_LOADS=not INTERPRET,
+            K_STAGES=self.k_stages,
             num_warps=self.warps, num_stages=self.stages,
         )  # fmt: skip
         if self.lm_head:
@@ -501,7 +535,7 @@ def hopper_usage(batch=8, splits=2, block_n=64, warps=8, stages=2, kc=256, parts
             signature[name] = "constexpr"
     constants = dict(L=s["L"], H=s["H"], QH=s["QH"], KVH=s["KVH"], D=s["D"], INTER=s["INTER"], KC=kc)
     constants.update(PAGE=16, BM=max(16, triton.next_power_of_2(batch)), GP=16, S=splits, BLOCK_N=block_n)
-    constants.update(BN_QKV=32, BN_O=16, BN_GU=32, BN_DOWN=16, PREFETCH=True, DOT_FP32=False, PARTS=parts)
+    constants.update(BN_QKV=32, BN_O=16, BN_GU=32, BN_DOWN=16, PREFETCH=True, DOT_FP32=False, PARTS=parts, K_STAGES=3)
     src = triton.compiler.ASTSource(
         fn=_persistent_decode_kernel, signature=signature, constexprs=constants, attrs=attrs
     )
@@ -587,7 +621,7 @@ def main() -> None:
         "--configs",
         nargs="*",
         default=None,
-        help="splits:block_n:warps:stages:prefetch[:parts], e.g. 2:64:8:2:1 (parts 0: barriers only)",
+        help="splits:block_n:warps:stages:prefetch[:parts[:k_stages]], e.g. 2:64:8:2:0 (parts 0: barriers only)",
     )
     args = ap.parse_args()
     result: dict = {"args": vars(args)}
@@ -615,8 +649,7 @@ def main() -> None:
     if args.check_only:
         json.dump(result, open(args.out, "w"), indent=1)
         return
-    configs = args.configs or ["2:64:8:2:1", "2:64:8:2:0", "1:64:8:2:1", "4:64:8:2:1", "2:32:8:2:1", "2:64:4:2:1",
-                               "2:64:8:3:1"]  # fmt: skip
+    configs = args.configs or ["2:64:8:2:0", "2:64:8:2:0:0", "2:64:8:2:0:2", "2:64:8:2:0:29", "4:32:8:2:0"]  # fmt: skip
     shape = QWEN3_06B
     model = make_model(shape, "cuda", torch.bfloat16)
     result["batches"] = {}
@@ -628,16 +661,17 @@ def main() -> None:
         r["torch_chain_ms"] = bench(torch_chain(shape, model, batch, base))
         r["lm_head_ms"] = bench(functools.partial(lm_head, base.h[0], model))
         for cfg in configs:
-            s, bn, w, st, pf, parts = ([int(v) for v in cfg.split(":")] + [31])[:6]
-            step = Step(shape, model, batch, sms, s, block_n=bn, warps=w, stages=st, prefetch=bool(pf), parts=parts)
+            fields = [int(v) for v in cfg.split(":")]
+            s, bn, w, st, pf, parts, ks = fields + [31, 3][len(fields) - 5 :]
+            opts = dict(block_n=bn, warps=w, stages=st, prefetch=bool(pf), parts=parts, k_stages=ks)
+            step = Step(shape, model, batch, sms, s, **opts)
             try:
                 step.run()
                 torch.cuda.synchronize()
                 ms = bench(step.run)
                 r[cfg] = {"ms": ms, "err": int(step.err.item())}
                 if cfg == configs[0]:  # where the time goes, from the GPU's clock at each barrier
-                    timed = Step(shape, model, batch, sms, s, block_n=bn, warps=w, stages=st, prefetch=bool(pf),
-                                 parts=parts, timeline=True)  # fmt: skip
+                    timed = Step(shape, model, batch, sms, s, timeline=True, **opts)
                     for _ in range(3):
                         timed.run()
                     torch.cuda.synchronize()
