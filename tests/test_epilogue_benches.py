@@ -61,6 +61,7 @@ def test_the_prefetch_kernel_visits_every_line_once():
 def test_the_persistent_decode_kernel_matches_its_torch_reference():
     probe = tool("persistent_decode_probe")
     for splits in (1, 2):  # one split: the output written at once; two: merged by the last split to finish
-        got = probe.check(probe.TINY, "cpu", torch.float32, 3, 40, 16, splits, block_n=16)
-        assert got["err"] == 0, got
-        assert max(got["h"], got["k"], got["v"]) < 1e-5, got
+        for preload in (False, True):  # weight tiles read in chunks after each barrier, or held across it
+            got = probe.check(probe.TINY, "cpu", torch.float32, 3, 40, 16, splits, block_n=16, preload=preload)
+            assert got["err"] == 0, got
+            assert max(got["h"], got["k"], got["v"]) < 1e-5, got

@@ -1,15 +1,22 @@
 """A small batch's decode step as one persistent kernel over all layers: fewer waits than the engine's kernel chain?
 
-    python tools/persistent_decode_probe.py OUT.json [--batches 8 16] [--context 1024]     # on a GPU
-    TRITON_INTERPRET=1 python tools/persistent_decode_probe.py --check-only x.json          # on a CPU, tiny shapes
+    python tools/persistent_decode_probe.py OUT.json [--batches 8 32] [--configs ...]      # on a GPU
+    TRITON_INTERPRET=1 python tools/persistent_decode_probe.py x.json                      # on a CPU, tiny shapes
+    python tools/persistent_decode_probe.py x.json --compile-only    # sm_90 registers, stack, shared memory (CPU)
 
 Why: at batch 8 a decode step of Qwen3-0.6B's shapes runs about 11 kernels a layer (312 a step), each waiting for
 the one before; the products take 5 to 8 us whatever their weight's size (docs/speed.md), and fusing or retiling them
 measured no faster. Here one program per SM runs every layer: the qkv product with the norm in front, attention (the
 q/k norms and rotation and the new token's K/V write inside, splits merged by the last one to finish), the o product
 with the residual add, gate/up with the norm and activation, down with the residual add. Five grid-wide barriers a
-layer replace the kernel boundaries, and before each barrier every program asks L2 for the weights of its next
-tile (Hopper's bulk prefetch), so that a wait overlaps the next stage's loads.
+layer replace the kernel boundaries; a barrier's counter is polled with `ld.acquire.gpu` loads (atomic reads queue
+at one L2 address). So that a wait overlaps the next stage's weight reads, a configuration may ask L2 for the next
+tile's weights before each barrier (`prefetch`, Hopper's bulk prefetch: measured slower) or load the whole tile into
+registers (`preload`, not yet measured; the sm_90 build spills some of gate/up's tile).
+
+    --configs 2:64:8:2:0            # splits:block_n:warps:stages:prefetch, the default
+    --configs 2:64:8:2:0:0          # :parts: 0 runs the barriers alone (bits: qkv, attention, o, gate/up, down)
+    --configs 2:64:8:2:0:31:3:1     # :k_stages:preload: the products' pipeline depth, weights held across barriers
 
 Every buffer a stage writes is written once a step (one slot per layer), so no SM can read a stale L1 line; the
 barrier counter and the merge counters are zeroed at the step's start. A barrier gives up after `MAX_POLLS` polls and
@@ -127,6 +134,27 @@ def _rows_product(x_ptr, rows, B, w_ptr, n, K: tl.constexpr, KC: tl.constexpr, r
 
 
 @triton.jit
+def _weight_tile(w_ptr, n, N, K: tl.constexpr, k0: tl.constexpr, KW: tl.constexpr):
+    "Weight rows n (< N) over inputs [k0, k0 + KW), as the [KW, BN] right-hand side of a product."
+    k = k0 + tl.arange(0, KW)
+    return tl.load(w_ptr + n[None, :].to(tl.int64) * K + k[:, None], mask=(n < N)[None, :], other=0.0)
+
+
+@triton.jit
+def _tile_product(x_ptr, rows, B, w, K: tl.constexpr, k0: tl.constexpr, rstd, nw_ptr, NORM: tl.constexpr,
+                  DOT_FP32: tl.constexpr):  # fmt: skip
+    "x[rows, k0:k0 + KW] @ w (a weight tile already in registers, [KW, BN]) in float32; NORM: as `_rows_product`."
+    k = k0 + tl.arange(0, w.shape[0])
+    x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows < B)[:, None], other=0.0)
+    if NORM:
+        normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
+        x = (normed.to(tl.float32) * tl.load(nw_ptr + k).to(tl.float32)[None, :]).to(x.dtype)
+    if DOT_FP32:
+        return tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    return tl.dot(x, w)
+
+
+@triton.jit
 def _persistent_decode_kernel(
     h_ptr,  # [2L + 1, B, H]: the residual stream, one slot per write
     qkv_ptr,  # [L, B, QKV]
@@ -178,6 +206,9 @@ def _persistent_decode_kernel(
     TIMELINE: tl.constexpr = False,
     ACQUIRE_LOADS: tl.constexpr = True,
     K_STAGES: tl.constexpr = 3,
+    PRELOAD: tl.constexpr = False,
+    DOWN_KA: tl.constexpr = 0,
+    DOWN_KB: tl.constexpr = 0,
 ):
     pid, P = tl.program_id(0), tl.num_programs(0)
     QKV: tl.constexpr = (QH + 2 * KVH) * D
@@ -189,26 +220,22 @@ def _persistent_decode_kernel(
     items = B * KVH * S
     if TIMELINE:
         tl.store(times_ptr + (pid * (5 * L + 1) + 5 * L) * 2, _now())
+    if PRELOAD:  # each program's first weight tile of a stage goes to registers before the barrier ahead of it
+        w_q = _weight_tile(w_qkv_ptr, pid * BN_QKV + tl.arange(0, BN_QKV), QKV, H, 0, H)
     for layer in tl.range(0, L, num_stages=1):
         # qkv = rms_norm(h) @ w_qkv.T
         for t in tl.range(pid, QKV // BN_QKV if PARTS & 1 else 0, P, num_stages=1):
             n_qkv = t * BN_QKV + tl.arange(0, BN_QKV)
             h_in = h_ptr + (2 * layer) * B * H
             rstd = _rows_rstd(h_in, rows, B, H, eps)
-            y = _rows_product(
-                h_in,
-                rows,
-                B,
-                w_qkv_ptr + layer * QKV * H,
-                n_qkv,
-                H,
-                KC,
-                rstd,
-                ln1_ptr + layer * H,
-                True,
-                DOT_FP32,
-                K_STAGES,
-            )
+            if PRELOAD:
+                w = w_q
+                if t != pid:
+                    w = _weight_tile(w_qkv_ptr + layer * QKV * H, n_qkv, QKV, H, 0, H)
+                y = _tile_product(h_in, rows, B, w, H, 0, rstd, ln1_ptr + layer * H, True, DOT_FP32)
+            else:
+                w_l = w_qkv_ptr + layer * QKV * H
+                y = _rows_product(h_in, rows, B, w_l, n_qkv, H, KC, rstd, ln1_ptr + layer * H, True, DOT_FP32, K_STAGES)
             out = qkv_ptr + (layer * B + rows[:, None]) * QKV + n_qkv[None, :]
             tl.store(out, y.to(qkv_ptr.dtype.element_ty), mask=row_ok[:, None])
         syncs += 1
@@ -280,15 +307,22 @@ def _persistent_decode_kernel(
                     m0, l0, a0 = _fold_parts(m0, l0, a0, parts_o, parts_l, first, S, dims, hmask, D)
                     l0 = tl.where(l0 > 0, l0, 1.0)
                     tl.store(attn, (a0 / l0[:, None]).to(attn_ptr.dtype.element_ty), mask=hmask[:, None])
+        if PRELOAD:
+            w_o = _weight_tile(w_o_ptr + layer * H * QH * D, pid * BN_O + tl.arange(0, BN_O), H, QH * D, 0, QH * D)
         syncs += 1
         _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE, ACQUIRE_LOADS)
         # h' = h + attn @ w_o.T, a tile of columns each
         for t in tl.range(pid, H // BN_O if PARTS & 4 else 0, P, num_stages=1):
             n_o = t * BN_O + tl.arange(0, BN_O)
             x_in = attn_ptr + layer * B * QH * D
-            o = _rows_product(
-                x_in, rows, B, w_o_ptr + layer * H * QH * D, n_o, QH * D, KC, rows, x_in, False, DOT_FP32, K_STAGES
-            )
+            w_l = w_o_ptr + layer * H * QH * D
+            if PRELOAD:
+                w = w_o
+                if t != pid:
+                    w = _weight_tile(w_l, n_o, H, QH * D, 0, QH * D)
+                o = _tile_product(x_in, rows, B, w, QH * D, 0, rows, x_in, False, DOT_FP32)
+            else:
+                o = _rows_product(x_in, rows, B, w_l, n_o, QH * D, KC, rows, x_in, False, DOT_FP32, K_STAGES)
             o = o.to(h_ptr.dtype.element_ty)
             cols = rows[:, None] * H + n_o[None, :]
             res = tl.load(h_ptr + (2 * layer) * B * H + cols, mask=row_ok[:, None], other=0.0)
@@ -297,6 +331,9 @@ def _persistent_decode_kernel(
         nxt_gu = pid * BN_GU + tl.arange(0, BN_GU)
         _prefetch(w_gu_ptr + layer * 2 * INTER * H, nxt_gu, INTER, H, PREFETCH)
         _prefetch(w_gu_ptr + (layer * 2 * INTER + INTER) * H, nxt_gu, INTER, H, PREFETCH)
+        if PRELOAD:
+            w_g = _weight_tile(w_gu_ptr + layer * 2 * INTER * H, nxt_gu, INTER, H, 0, H)
+            w_u = _weight_tile(w_gu_ptr + (layer * 2 * INTER + INTER) * H, nxt_gu, INTER, H, 0, H)
         syncs += 1
         _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE, ACQUIRE_LOADS)
         # act = silu(x @ gate.T) * (x @ up.T), x = rms_norm(h')
@@ -305,12 +342,17 @@ def _persistent_decode_kernel(
             h_in = h_ptr + (2 * layer + 1) * B * H
             rstd = _rows_rstd(h_in, rows, B, H, eps)
             w_gate = w_gu_ptr + layer * 2 * INTER * H
-            gate = _rows_product(
-                h_in, rows, B, w_gate, n_gu, H, KC, rstd, ln2_ptr + layer * H, True, DOT_FP32, K_STAGES
-            )
-            up = _rows_product(
-                h_in, rows, B, w_gate + INTER * H, n_gu, H, KC, rstd, ln2_ptr + layer * H, True, DOT_FP32, K_STAGES
-            )
+            nw = ln2_ptr + layer * H
+            if PRELOAD:
+                wg, wu = w_g, w_u
+                if t != pid:
+                    wg = _weight_tile(w_gate, n_gu, INTER, H, 0, H)
+                    wu = _weight_tile(w_gate + INTER * H, n_gu, INTER, H, 0, H)
+                gate = _tile_product(h_in, rows, B, wg, H, 0, rstd, nw, True, DOT_FP32)
+                up = _tile_product(h_in, rows, B, wu, H, 0, rstd, nw, True, DOT_FP32)
+            else:
+                gate = _rows_product(h_in, rows, B, w_gate, n_gu, H, KC, rstd, nw, True, DOT_FP32, K_STAGES)
+                up = _rows_product(h_in, rows, B, w_gate + INTER * H, n_gu, H, KC, rstd, nw, True, DOT_FP32, K_STAGES)
             gate = gate.to(act_ptr.dtype.element_ty).to(tl.float32)  # the engine rounds the product, then SiLU
             up = up.to(act_ptr.dtype.element_ty).to(tl.float32)
             act = gate / (1.0 + tl.exp(-gate)) * up
@@ -321,15 +363,29 @@ def _persistent_decode_kernel(
             )
         nxt_dn = pid * BN_DOWN + tl.arange(0, BN_DOWN)
         _prefetch(w_down_ptr + layer * H * INTER, nxt_dn, H, INTER, PREFETCH)
+        if PRELOAD:  # INTER = DOWN_KA + DOWN_KB, each a power of two (3,072 = 2,048 + 1,024)
+            w_da = _weight_tile(w_down_ptr + layer * H * INTER, nxt_dn, H, INTER, 0, DOWN_KA)
+            if DOWN_KB > 0:
+                w_db = _weight_tile(w_down_ptr + layer * H * INTER, nxt_dn, H, INTER, DOWN_KA, DOWN_KB)
         syncs += 1
         _grid_sync(bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE, ACQUIRE_LOADS)
         # h'' = h' + act @ w_down.T
         for t in tl.range(pid, H // BN_DOWN if PARTS & 16 else 0, P, num_stages=1):
             n_dn = t * BN_DOWN + tl.arange(0, BN_DOWN)
             x_in = act_ptr + layer * B * INTER
-            acc = _rows_product(
-                x_in, rows, B, w_down_ptr + layer * H * INTER, n_dn, INTER, KC, rows, x_in, False, DOT_FP32, K_STAGES
-            )
+            w_l = w_down_ptr + layer * H * INTER
+            if PRELOAD:
+                wa = w_da
+                if t != pid:
+                    wa = _weight_tile(w_l, n_dn, H, INTER, 0, DOWN_KA)
+                acc = _tile_product(x_in, rows, B, wa, INTER, 0, rows, x_in, False, DOT_FP32)
+                if DOWN_KB > 0:
+                    wb = w_db
+                    if t != pid:
+                        wb = _weight_tile(w_l, n_dn, H, INTER, DOWN_KA, DOWN_KB)
+                    acc += _tile_product(x_in, rows, B, wb, INTER, DOWN_KA, rows, x_in, False, DOT_FP32)
+            else:
+                acc = _rows_product(x_in, rows, B, w_l, n_dn, INTER, KC, rows, x_in, False, DOT_FP32, K_STAGES)
             cols = rows[:, None] * H + n_dn[None, :]
             res = tl.load(h_ptr + (2 * layer + 1) * B * H + cols, mask=row_ok[:, None], other=0.0)
             down = acc.to(h_ptr.dtype.element_ty)
@@ -338,6 +394,8 @@ def _persistent_decode_kernel(
         if layer + 1 < L:
             nxt_qkv = pid * BN_QKV + tl.arange(0, BN_QKV)
             _prefetch(w_qkv_ptr + (layer + 1) * QKV * H, nxt_qkv, QKV, H, PREFETCH)
+            if PRELOAD:
+                w_q = _weight_tile(w_qkv_ptr + (layer + 1) * QKV * H, nxt_qkv, QKV, H, 0, H)
             syncs += 1
             _grid_sync(
                 bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE, ACQUIRE_LOADS
@@ -445,7 +503,8 @@ class Step:
     "Buffers and one launch of the persistent kernel for a batch; `run()` is graph-capturable."
 
     def __init__(self, shape, model, batch, programs, splits, block_n=64, tiles=(32, 16, 32, 16), warps=8, stages=2,
-                 prefetch=False, lm_head=True, kc=256, parts=31, timeline=False, k_stages=3):  # fmt: skip
+                 prefetch=False, lm_head=True, kc=256, parts=31, timeline=False, k_stages=3,
+                 preload=False):  # fmt: skip
         self.shape, self.model, self.batch = shape, model, batch
         L, H, QH, KVH, D, INTER = (shape[k] for k in ("L", "H", "QH", "KVH", "D", "INTER"))
         B = batch["h"].shape[0]
@@ -465,7 +524,10 @@ class Step:
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
         self.k_cache, self.v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
         self.tiles, self.block_n, self.warps, self.stages, self.prefetch = tiles, block_n, warps, stages, prefetch
-        self.k_stages = k_stages
+        self.k_stages, self.preload = k_stages, preload
+        self.down_ka = 1 << (INTER.bit_length() - 1)  # INTER = down_ka + down_kb, powers of two (preload)
+        if preload and (INTER - self.down_ka) & (INTER - self.down_ka - 1):
+            raise ValueError(f"preload needs an intermediate size of at most two powers of two, got {INTER}")
         self.parts = parts  # which stages run (bits: qkv, attention, o, gate/up, down): the rest is barriers
         self.times = torch.zeros(programs, 5 * L + 1, 2, dtype=torch.int64, device=dev) if timeline else None
         self.lm_head = lm_head
@@ -486,7 +548,7 @@ class Step:
             BLOCK_N=self.block_n, BN_QKV=bn_qkv, BN_O=bn_o, BN_GU=bn_gu, BN_DOWN=bn_down,
             PREFETCH=self.prefetch and not INTERPRET, DOT_FP32=INTERPRET and self.h.dtype == torch.bfloat16,
             PARTS=self.parts, TIMELINE=self.times is not None, ACQUIRE_LOADS=not INTERPRET,
-            K_STAGES=self.k_stages,
+            K_STAGES=self.k_stages, PRELOAD=self.preload, DOWN_KA=self.down_ka, DOWN_KB=s["INTER"] - self.down_ka,
             num_warps=self.warps, num_stages=self.stages,
         )  # fmt: skip
         if self.lm_head:
@@ -507,7 +569,9 @@ def check(shape, device, dtype, batch_size, context, page, splits, **kw) -> dict
     return dict(h=rel(got, want), k=rel(step.k_cache, kc), v=rel(step.v_cache, vc), err=int(step.err.item()))
 
 
-def hopper_usage(batch=8, splits=2, block_n=64, warps=8, stages=2, kc=256, parts=31) -> dict:
+def hopper_usage(
+    batch=8, splits=2, block_n=64, warps=8, stages=2, kc=256, parts=31, preload=False, tiles=(32, 16, 32, 16)
+) -> dict:
     "The kernel compiled for sm_90 on any machine (Qwen3-0.6B's shapes, bfloat16): registers, stack, shared memory."
     import subprocess
     import tempfile
@@ -535,7 +599,17 @@ def hopper_usage(batch=8, splits=2, block_n=64, warps=8, stages=2, kc=256, parts
             signature[name] = "constexpr"
     constants = dict(L=s["L"], H=s["H"], QH=s["QH"], KVH=s["KVH"], D=s["D"], INTER=s["INTER"], KC=kc)
     constants.update(PAGE=16, BM=max(16, triton.next_power_of_2(batch)), GP=16, S=splits, BLOCK_N=block_n)
-    constants.update(BN_QKV=32, BN_O=16, BN_GU=32, BN_DOWN=16, PREFETCH=True, DOT_FP32=False, PARTS=parts, K_STAGES=3)
+    constants.update(
+        BN_QKV=tiles[0],
+        BN_O=tiles[1],
+        BN_GU=tiles[2],
+        BN_DOWN=tiles[3],
+        PREFETCH=False,
+        DOT_FP32=False,
+        PARTS=parts,
+        K_STAGES=3,
+    )
+    constants.update(PRELOAD=preload, DOWN_KA=2048, DOWN_KB=1024)
     src = triton.compiler.ASTSource(
         fn=_persistent_decode_kernel, signature=signature, constexprs=constants, attrs=attrs
     )
@@ -616,12 +690,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--tiles", default="32,16,32,16", help="weight rows a program's tile holds: qkv,o,gate_up,down")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 (no GPU needed): registers, stack")
     ap.add_argument(
         "--configs",
         nargs="*",
         default=None,
-        help="splits:block_n:warps:stages:prefetch[:parts[:k_stages]], e.g. 2:64:8:2:0 (parts 0: barriers only)",
+        help="splits:block_n:warps:stages:prefetch[:parts[:k_stages[:preload]]], e.g. 2:64:8:2:0 (parts 0: barriers)",
     )
     args = ap.parse_args()
     result: dict = {"args": vars(args)}
@@ -645,6 +720,10 @@ def main() -> None:
         for b in (8, 32)
         for s in (1, 2)
     }
+    for b in (8, 32):  # weights held in registers across the barriers
+        result["check_gpu"][f"B{b}_S2_preload"] = check(
+            two_layers, "cuda", torch.bfloat16, b, args.context, args.page, 2, programs=sms, preload=True
+        )
     print("check", result["check_gpu"], flush=True)
     if args.check_only:
         json.dump(result, open(args.out, "w"), indent=1)
@@ -662,8 +741,9 @@ def main() -> None:
         r["lm_head_ms"] = bench(functools.partial(lm_head, base.h[0], model))
         for cfg in configs:
             fields = [int(v) for v in cfg.split(":")]
-            s, bn, w, st, pf, parts, ks = fields + [31, 3][len(fields) - 5 :]
-            opts = dict(block_n=bn, warps=w, stages=st, prefetch=bool(pf), parts=parts, k_stages=ks)
+            s, bn, w, st, pf, parts, ks, pre = fields + [31, 3, 0][len(fields) - 5 :]
+            opts = dict(block_n=bn, warps=w, stages=st, prefetch=bool(pf), parts=parts, k_stages=ks, preload=bool(pre))
+            opts["tiles"] = tuple(int(v) for v in args.tiles.split(","))
             step = Step(shape, model, batch, sms, s, **opts)
             try:
                 step.run()
