@@ -220,9 +220,14 @@ def _persistent_decode_kernel(
     items = B * KVH * S
     if TIMELINE:
         tl.store(times_ptr + (pid * (5 * L + 1) + 5 * L) * 2, _now())
-    if PRELOAD:  # each program's first weight tile of a stage goes to registers before the barrier ahead of it
-        w_q = _weight_tile(w_qkv_ptr, pid * BN_QKV + tl.arange(0, BN_QKV), QKV, H, 0, H)
     for layer in tl.range(0, L, num_stages=1):
+        if PRELOAD:  # each program's first weight tile of a stage goes to registers before the barrier ahead of it
+            w_q = _weight_tile(w_qkv_ptr + layer * QKV * H, pid * BN_QKV + tl.arange(0, BN_QKV), QKV, H, 0, H)
+        if layer > 0:  # the previous layer's down stage
+            syncs += 1
+            _grid_sync(
+                bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE, ACQUIRE_LOADS
+            )
         # qkv = rms_norm(h) @ w_qkv.T
         for t in tl.range(pid, QKV // BN_QKV if PARTS & 1 else 0, P, num_stages=1):
             n_qkv = t * BN_QKV + tl.arange(0, BN_QKV)
@@ -394,12 +399,6 @@ def _persistent_decode_kernel(
         if layer + 1 < L:
             nxt_qkv = pid * BN_QKV + tl.arange(0, BN_QKV)
             _prefetch(w_qkv_ptr + (layer + 1) * QKV * H, nxt_qkv, QKV, H, PREFETCH)
-            if PRELOAD:
-                w_q = _weight_tile(w_qkv_ptr + (layer + 1) * QKV * H, nxt_qkv, QKV, H, 0, H)
-            syncs += 1
-            _grid_sync(
-                bar, err_ptr, syncs * P, times_ptr + (pid * (5 * L + 1) + syncs - 1) * 2, TIMELINE, ACQUIRE_LOADS
-            )
     if TIMELINE:
         tl.store(times_ptr + (pid * (5 * L + 1) + 5 * L) * 2 + 1, _now())
 
