@@ -12,7 +12,7 @@ with the residual add, gate/up with the norm and activation, down with the resid
 layer replace the kernel boundaries; a barrier's counter is polled with `ld.acquire.gpu` loads (atomic reads queue
 at one L2 address). So that a wait overlaps the next stage's weight reads, a configuration may ask L2 for the next
 tile's weights before each barrier (`prefetch`, Hopper's bulk prefetch: measured slower) or load the whole tile into
-registers (`preload`, not yet measured; the sm_90 build spills some of gate/up's tile).
+registers (`preload`, not yet measured; its sm_90 build spills a few hundred bytes a thread).
 
     --configs 2:64:8:2:0            # splits:block_n:warps:stages:prefetch, the default
     --configs 2:64:8:2:0:0          # :parts: 0 runs the barriers alone (bits: qkv, attention, o, gate/up, down)
