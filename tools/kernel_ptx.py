@@ -102,9 +102,6 @@ FEW_ROW_PRODUCTS = {  # Qwen3-0.6B's products of a decoder layer at a few rows: 
 def few_rows_usage(rows: int, n: int, k: int, norm: bool, fuse_silu: bool) -> dict:
     """The few-row product's kernel compiled to a Hopper cubin at the launcher's tiles (bfloat16): the registers and
     the stack a thread takes, as cuobjdump reports them (a stack means spilled registers)."""
-    import subprocess
-    import tempfile
-
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -122,6 +119,16 @@ def few_rows_usage(rows: int, n: int, k: int, norm: bool, fuse_silu: bool) -> di
     constants.update(BLOCK_K=block_k, PREFETCH_L2=k > 2048, PDL=True, DOT_FP32=False, DOT_PRECISION="tf32")
     source = triton.compiler.ASTSource(fn=_few_rows_kernel, signature=signature, constexprs=constants, attrs=attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps, num_stages=stages))
+    return {"tiles": [block_m, block_n, block_k, stages, warps], **cubin_usage(kernel)}
+
+
+def cubin_usage(kernel) -> dict:
+    "A compiled kernel's registers and stack a thread, as cuobjdump reports them (a stack means spilled registers)."
+    import subprocess
+    import tempfile
+
+    import triton
+
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
@@ -130,7 +137,7 @@ def few_rows_usage(rows: int, n: int, k: int, norm: bool, fuse_silu: bool) -> di
         out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
     line = next(x for x in out.splitlines() if "REG:" in x)
     usage = {key: int(line.split(key + ":")[1].split()[0]) for key in ("REG", "STACK")}
-    return {"tiles": [block_m, block_n, block_k, stages, warps], "registers": usage["REG"], "stack": usage["STACK"]}
+    return {"registers": usage["REG"], "stack": usage["STACK"]}
 
 
 def counts(configs: list[str]) -> dict:

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from minivllm.kernels.few_rows import _prefetch_rows
 from minivllm.kernels.merge_splits import _fold_parts
 from minivllm.kernels.paged_decode_kernel import _decode_tiles, _split_tiles
 from minivllm.kernels.qk_norm_rope import _norm_rotate
@@ -91,18 +92,9 @@ def _grid_sync(bar_ptr, err_ptr, target, times_ptr, TIMELINE: tl.constexpr, ACQU
 
 @triton.jit
 def _prefetch(w_ptr, n, N, K, ON: tl.constexpr):
-    "Ask L2 for weight rows n (one bulk prefetch a row of K numbers; rows past N: row 0 again)."
+    "Ask L2 for weight rows n (the few-row products' bulk prefetch; rows past N: row 0 again)."
     if ON:
-        ptrs = w_ptr + tl.where(n < N, n, 0).to(tl.int64) * K
-        nbytes = tl.full(n.shape, 0, tl.int32) + K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        tl.inline_asm_elementwise(
-            "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-            "=r,l,r",
-            [ptrs, nbytes],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        _prefetch_rows(w_ptr, n, N, K)
 
 
 @triton.jit
@@ -572,9 +564,7 @@ def hopper_usage(
     batch=8, splits=2, block_n=64, warps=8, stages=2, kc=256, parts=31, preload=False, tiles=(32, 16, 32, 16)
 ) -> dict:
     "The kernel compiled for sm_90 on any machine (Qwen3-0.6B's shapes, bfloat16): registers, stack, shared memory."
-    import subprocess
-    import tempfile
-
+    from kernel_ptx import cubin_usage  # (tools/ is first on the path of a tool run as a script)
     from triton.backends.compiler import GPUTarget
 
     s = QWEN3_06B
@@ -613,15 +603,7 @@ def hopper_usage(
         fn=_persistent_decode_kernel, signature=signature, constexprs=constants, attrs=attrs
     )
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps, num_stages=stages))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
-    line = next(x for x in out.splitlines() if "REG:" in x)
-    usage = {key: int(line.split(key + ":")[1].split()[0]) for key in ("REG", "STACK")}
-    return dict(registers=usage["REG"], stack=usage["STACK"], shared=kernel.metadata.shared)
+    return dict(**cubin_usage(kernel), shared=kernel.metadata.shared)
 
 
 def stage_times(times: torch.Tensor, L: int) -> dict:
