@@ -73,7 +73,8 @@ def test_norm_product_takes_gemv_for_one_row_and_the_few_row_kernel_for_more():
 def test_the_tiles_fit_a_norm_row_whole_and_the_activation_small():
     assert few_rows_tiles(8, 4096, 1024, norm=True) == (16, 32, 1024, 1, 4)  # Qwen3-0.6B's qkv at batch 8
     assert few_rows_tiles(32, 6144, 1024, norm=True) == (32, 32, 1024, 1, 8)  # gate/up at batch 32: 8 warps
-    assert few_rows_tiles(8, 3072, 1024, norm=True, fuse_silu=True)[1] == 16  # gate/up: 16 rows of each, 64 KB
+    assert few_rows_tiles(8, 3072, 1024, norm=True, fuse_silu=True)[1] == 32  # gate/up: 32 rows of each, 128 KB
+    assert few_rows_tiles(8, 1024, 2048, norm=False) == (16, 16, 1024, 3, 4)  # o: the chain's fastest at 8 rows
     assert norm_fits(16, 2048, torch.bfloat16) and not norm_fits(32, 2048, torch.bfloat16)
     assert not norm_fits(8, 1024, torch.float32) and not norm_fits(33, 64, torch.bfloat16)
 
@@ -82,7 +83,7 @@ def test_few_rows_fit_leaves_one_row_float32_and_a_vocabulary_to_others():
     x, w = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(96, 64, dtype=torch.bfloat16)
     assert few_rows_fit(x, w) and not few_rows_fit(x[:1], w) and not few_rows_fit(x.float(), w.float())
     assert not few_rows_fit(x, torch.zeros(151936, 64, dtype=torch.bfloat16))  # the LM head: cuBLAS reads it faster
-    assert not few_rows_fit(torch.zeros(33, 64, dtype=torch.bfloat16), w)
+    assert not few_rows_fit(torch.zeros(17, 64, dtype=torch.bfloat16), w)  # more than a step gives them
 
 
 def test_the_few_row_kernels_refuse_what_they_do_not_compute():

@@ -82,16 +82,21 @@ def test_one_row_paths_need_the_policy_and_a_step_of_one_token():
 
 
 def test_a_few_rows_of_16_bits_run_their_norms_inside_the_products_where_a_tile_holds_them(monkeypatch):
-    "Opt-in (MINIVLLM_FEW_ROWS=1, read at import) until measured on a GPU; then 2 to 32 rows whose tile fits."
+    "On where the GPU starts kernels early, unless MINIVLLM_FEW_ROWS=0 (read at import); then 2 to 16 rows that fit."
     from minivllm.layers import kernel_policy as policy_module
 
-    assert not kernel_policy("cuda", torch.bfloat16).few_row_products  # off by default
-    monkeypatch.setattr(policy_module, "FEW_ROWS", True)
+    assert policy_module.FEW_ROWS  # on by default
+    monkeypatch.setattr(policy_module, "starts_kernels_early", lambda device: False)
+    assert not kernel_policy("cuda", torch.bfloat16).few_row_products  # a GPU without early launch: cuBLAS
+    monkeypatch.setattr(policy_module, "starts_kernels_early", lambda device: True)
     gpu = kernel_policy("cuda", torch.bfloat16)
     assert gpu.few_row_products and not kernel_policy("cpu", torch.bfloat16).few_row_products
-    rows = {n: torch.zeros(n, 1024, dtype=torch.bfloat16) for n in (2, 32, 33)}
-    assert gpu.norms_row(rows[2]) and gpu.norms_row(rows[32]) and not gpu.norms_row(rows[33])
-    assert not gpu.norms_row(torch.zeros(32, 2048, dtype=torch.bfloat16))  # 32 x 2,048 numbers: more than a tile
+    monkeypatch.setattr(policy_module, "FEW_ROWS", False)  # MINIVLLM_FEW_ROWS=0
+    assert not kernel_policy("cuda", torch.bfloat16).few_row_products
+    rows = {n: torch.zeros(n, 1024, dtype=torch.bfloat16) for n in (2, 16, 17, 32)}
+    assert gpu.norms_row(rows[2]) and gpu.norms_row(rows[16]) and not gpu.norms_row(rows[17])
+    assert not gpu.norms_row(rows[32])  # 32 rows: cuBLAS was faster
+    assert not gpu.norms_row(torch.zeros(16, 4096, dtype=torch.bfloat16))  # 16 x 4,096 numbers: more than a tile
     assert not dataclasses.replace(gpu, few_row_products=False).norms_row(rows[2])
 
 

@@ -74,13 +74,13 @@ def test_the_probes_tiles_drive_the_packages_few_row_products(variant_tree, tmp_
     probe = {"rows": {"8": {"check": {}, "best": best}, "32": {"check": {}, "best": best}}}
     tiles = variant_tree.probe_tiles(probe)
     assert tiles[(1024, 2048, False, False)] == [16, 1024, 4, 2, 2]
-    tree = variant_tree.make_tree(tmp_path / "v", tuned_few_rows=tiles, few_rows_max=16)
+    tree = variant_tree.make_tree(tmp_path / "v", tuned_few_rows=tiles, few_rows_max=8)
     (tree / "minivllm/data").symlink_to(ROOT / "minivllm/data")
     script = (
         "import torch, torch.nn.functional as F\n"
         "from minivllm.kernels import few_rows\n"
         "from minivllm.layers import kernel_policy\n"
-        "assert kernel_policy.FEW_ROWS and few_rows.FEW_ROWS_MAX == 16\n"
+        "assert kernel_policy.FEW_ROWS and few_rows.FEW_ROWS_STEP_MAX == 8\n"
         "print(few_rows.few_rows_tiles(8, 4096, 1024, True), few_rows.few_rows_tiles(8, 3072, 1024, True, True))\n"
         "print(few_rows.few_rows_tiles(8, 1024, 3072, False), few_rows.few_rows_tiles(32, 1024, 3072, False))\n"
         "g = torch.Generator().manual_seed(0)\n"

@@ -116,7 +116,7 @@ def few_rows_usage(rows: int, n: int, k: int, norm: bool, fuse_silu: bool) -> di
         else:
             signature[name] = {"M": "i32", "eps": "fp32"}.get(name, "constexpr")
     constants = dict(NORM=norm, HAS_RESIDUAL=norm, FUSE_SILU=fuse_silu, BLOCK_M=block_m, BLOCK_N=block_n)
-    constants.update(BLOCK_K=block_k, PREFETCH_L2=k > 2048, PDL=True, DOT_FP32=False, DOT_PRECISION="tf32")
+    constants.update(BLOCK_K=block_k, PREFETCH_L2=k > block_k, PDL=True, DOT_FP32=False, DOT_PRECISION="tf32")
     source = triton.compiler.ASTSource(fn=_few_rows_kernel, signature=signature, constexprs=constants, attrs=attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps, num_stages=stages))
     return {"tiles": [block_m, block_n, block_k, stages, warps], **cubin_usage(kernel)}

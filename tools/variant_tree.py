@@ -17,9 +17,10 @@ The edits, each on a CUDA device only (a CPU run is the package's):
   (`PDL_MAX_ROWS`), so the kernel before each product starts it early too.
 - `--fused-gate-up N`: the MLP of 2 to N rows runs `tools/gate_up_silu_bench.py`'s fused kernel in 16 x 64 x 128
   tiles (8.0 against 9.1-9.3 us at 8 and 32 rows as graph replays, figures/52_gate_up_silu_graphs_h100.json).
-- `--tuned-few-rows PROBE.json`: the package's own few-row products (`kernels/few_rows.py`), on without
-  `MINIVLLM_FEW_ROWS`, at 2 to `--few-rows-max` rows (default 16), each product of up to 16 rows in the tile, warps,
-  stages and L2 prefetch that `tools/few_row_chain_probe.py` found fastest at 8 rows (its PROBE.json's `best`).
+- `--tuned-few-rows PROBE.json`: the package's own few-row products (`kernels/few_rows.py`, on by default where
+  kernels start early) at 2 to `--few-rows-max` rows (default 16), each product of up to 16 rows in the tile, warps,
+  stages and L2 prefetch that `tools/few_row_chain_probe.py` found fastest at 8 rows (its PROBE.json's `best`). The
+  package's tiles are those it found on an H100 (figures/52_few_row_chain_probe_h100.json): this tries other cards'.
 The tools' modules are copied to DEST's top level, beside `minivllm`, where the edited package imports them.
 """
 
@@ -116,12 +117,10 @@ def edit_tuned_few_rows(tree: Path, tiles: dict[tuple, list[int]], most_rows: in
     )
     replace_once(path, old, new + old)
     prefetch = {shape: cfg[4] == 2 for shape, cfg in tiles.items()}
-    old = "        PREFETCH_L2=FEW_ROWS_L2 and pdl and k > 2048,\n"
-    new = f"        PREFETCH_L2=FEW_ROWS_L2 and pdl and {prefetch!r}.get((n, k, norm, fuse_silu), k > 2048),\n"
+    old = "        PREFETCH_L2=FEW_ROWS_L2 and pdl and k > block_k,\n"
+    new = f"        PREFETCH_L2=FEW_ROWS_L2 and pdl and {prefetch!r}.get((n, k, norm, fuse_silu), k > block_k),\n"
     replace_once(path, old, new)
-    replace_once(path, "FEW_ROWS_MAX = 32 ", f"FEW_ROWS_MAX = {most_rows} ")
-    old = 'os.environ.get("MINIVLLM_FEW_ROWS", "0")'
-    replace_once(tree / "minivllm/layers/kernel_policy.py", old, old.replace('"0"', '"1"'))
+    replace_once(path, "FEW_ROWS_STEP_MAX = 16 ", f"FEW_ROWS_STEP_MAX = {most_rows} ")
 
 
 def make_tree(

@@ -12,11 +12,11 @@ from .common import check_device, pdl_launch_next, pdl_wait, use_pdl
 from .gemv import check_norm, norm_gemv
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)  # the dtypes these kernels take (float32 spills registers: cuBLAS)
-FEW_ROWS_MAX = 32  # the most rows a step's products take these kernels for (batch 2 to 32; one row: `gemv`)
+FEW_ROWS_MAX = 32  # the most rows these kernels take (one row: `gemv`)
+FEW_ROWS_STEP_MAX = 16  # the most rows of a step the engine gives them: at 32, cuBLAS was faster (this section's end)
 NORM_MAX_TILE = 32768  # a norm's rows, whole, in one tile: at most this many numbers (more spill registers)
 FEW_ROWS_PDL = True  # launch early where the GPU can (`use_pdl`): the weights load while the kernel ahead runs
-FEW_ROWS_L2 = True  # rows of more than 2,048 inputs: all of each asked for in L2 before the wait, one tile loaded
-NORM_BLOCK_N = 32  # weight rows a normed product's program takes: [1,024 x 32] is 128 registers a thread of 4 warps
+FEW_ROWS_L2 = True  # rows longer than one tile: all of each asked for in L2 before the wait, one tile loaded
 
 
 @triton.jit
@@ -53,13 +53,14 @@ def _input_tile(x_ptr, rows, k, M, K, stride_x):
 __all__ = [
     "SIXTEEN_BIT",
     "FEW_ROWS_MAX",
+    "FEW_ROWS_STEP_MAX",
     "NORM_MAX_TILE",
     "FEW_ROWS_PDL",
     "FEW_ROWS_L2",
-    "NORM_BLOCK_N",
     "few_rows_tiles",
     "few_rows_fit",
     "norm_fits",
+    "norm_step_fits",
     "check_rows",
     "few_rows_mm",
     "norm_few_rows",
@@ -136,11 +137,11 @@ def few_rows_tiles(m: int, n: int, k: int, norm: bool, fuse_silu: bool = False, 
     in registers across the wait, and no tile so large that the compiler spills registers to the stack (checked for
     sm_90 on the CPU by tests/test_kernel_compile.py: a spilling product ran 200 times slower). `n`: the outputs."""
     block_m = max(16, triton.next_power_of_2(m))
-    if norm:  # the whole row in one tile (with the activation: gate and up rows, half as many of each)
+    if norm:  # the whole row in one tile (with the activation: as many gate rows and as many up rows)
         block_k = triton.next_power_of_2(k)
-        block_n = max(16, (32 if block_k * size <= 2048 else 16) // (2 if fuse_silu else 1))
+        block_n = 32 if block_k * size <= 2048 and not (fuse_silu and block_m > 16) else 16  # (32 rows: it spilled)
         return block_m, block_n, block_k, 1, min(8, max(4, block_m * block_k * size // 8192))
-    block_n = 32 if n <= 1024 and k <= 2048 and size == 2 else 16
+    block_n = 16  # narrow tiles, three deep: the fastest in a chain of layers (this section's end)
     block_k = min(triton.next_power_of_2(k), (1024 if block_m == 16 else 512) * 2 // size)
     stage = (block_m + block_n) * block_k * size
     return block_m, block_n, block_k, max(1, min(3, 196608 // stage)), 4
@@ -168,7 +169,7 @@ def _launch(y, total, x, res, nw, weight, n, eps, norm, has_residual, fuse_silu)
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        PREFETCH_L2=FEW_ROWS_L2 and pdl and k > 2048,
+        PREFETCH_L2=FEW_ROWS_L2 and pdl and k > block_k,
         PDL=pdl,
         DOT_FP32=INTERPRET,
         DOT_PRECISION="tf32",  # (16-bit inputs: the products are exact)
@@ -180,8 +181,8 @@ def _launch(y, total, x, res, nw, weight, n, eps, norm, has_residual, fuse_silu)
 
 # %% ../../notebooks/deep_dives/06_small_batch_kernels.ipynb #a818198d
 def few_rows_fit(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    "Does `few_rows_mm` take this product: 2 to 32 rows of 16-bit numbers, a layer's weight (not a vocabulary's)?"
-    rows = x.dim() == 2 and 1 < x.shape[0] <= FEW_ROWS_MAX and x.stride(-1) == 1 and x.dtype in SIXTEEN_BIT
+    "Does a step give this product to `few_rows_mm`: 2 to 16 rows of 16 bits, a layer's weight (not a vocabulary's)?"
+    rows = x.dim() == 2 and 1 < x.shape[0] <= FEW_ROWS_STEP_MAX and x.stride(-1) == 1 and x.dtype in SIXTEEN_BIT
     return rows and weight.dtype == x.dtype and weight.shape[0] <= 16384
 
 
@@ -189,6 +190,11 @@ def norm_fits(rows: int, k: int, dtype: torch.dtype) -> bool:
     "Can `norm_few_rows` take `rows` rows of `k` 16-bit inputs (all in one tile of at most `NORM_MAX_TILE`)?"
     tile = max(16, triton.next_power_of_2(rows)) * triton.next_power_of_2(k)
     return dtype in SIXTEEN_BIT and 1 <= rows <= FEW_ROWS_MAX and tile <= NORM_MAX_TILE
+
+
+def norm_step_fits(rows: int, k: int, dtype: torch.dtype) -> bool:
+    "Does a step of `rows` rows give its norm and the product after it to `norm_few_rows` (2 to 16 rows that fit)?"
+    return rows <= FEW_ROWS_STEP_MAX and norm_fits(rows, k, dtype)
 
 
 def check_rows(x: torch.Tensor, weight: torch.Tensor, k: int, name: str) -> torch.Tensor:

@@ -12,7 +12,7 @@ from torch import nn
 from .attention_backends.base import AttentionBackend, make_attention_backend
 from .attention_backends.torch_backend import TorchAttentionBackend
 
-FEW_ROWS = os.environ.get("MINIVLLM_FEW_ROWS", "0") == "1"  # few-row products: opt-in, no faster than cuBLAS (06)
+FEW_ROWS = os.environ.get("MINIVLLM_FEW_ROWS", "1") != "0"  # few-row products; MINIVLLM_FEW_ROWS=0 turns them off
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class KernelPolicy:
     prefill: AttentionBackend = field(default_factory=TorchAttentionBackend)  # every other step's
     one_row_gemv: bool = False  # one row's products by `gemv` (notebook 06), the MLP's activation in gate_up's
     norms_in_products: bool = False  # a one-row decoder layer's norms inside the products after them (`norm_gemv`)
-    few_row_products: bool = False  # 2 to 32 rows' products by `few_rows_mm`, norms and activation inside (06)
+    few_row_products: bool = False  # 2 to 16 rows' products by `few_rows_mm`, norms and activation inside (06)
     fused_qk_norm_rope: bool = False  # q/k norms, rotation and the K/V write in one kernel (`qk_norm_rope_store`)
     triton_activation: bool = False  # `SiluAndMul` by notebook 06's `silu_mul`
     fused_moe: bool = False  # a mixture's experts by notebook 06's `fused_moe`
@@ -34,12 +34,26 @@ class KernelPolicy:
 
     def norms_row(self, x: torch.Tensor) -> bool:
         """Do this step's norms run inside the products: the policy allows it, and the step is one token (`norm_gemv`)
-        or 2 to 32 whose rows fit one tile (`norm_few_rows`, notebook 06's small-batch deep dive)?"""
+        or 2 to 16 whose rows fit one tile (`norm_few_rows`, notebook 06's small-batch deep dive)?"""
         if not self.norms_in_products or not (x.shape[0] == 1 or self.few_row_products):
             return False
-        from minivllm.kernels.few_rows import norm_fits  # (a GPU's policy: Triton is there)
+        from minivllm.kernels.few_rows import norm_step_fits  # (a GPU's policy: Triton is there)
 
-        return x.shape[0] == 1 or norm_fits(x.shape[0], x.shape[1], x.dtype)
+        return x.shape[0] == 1 or norm_step_fits(x.shape[0], x.shape[1], x.dtype)
+
+
+# %% auto #0
+__all__ = ["FEW_ROWS", "KernelPolicy", "starts_kernels_early", "kernel_policy", "UsesKernelPolicy", "apply_policy"]
+
+
+# %% ../../notebooks/deep_dives/08_kernel_policy.ipynb #c2b7d9e1
+def starts_kernels_early(device: torch.device | str) -> bool:
+    "Does this GPU start a kernel before the one ahead ends (`use_pdl`: Hopper on)? The few-row products need it."
+    if not torch.cuda.is_available():
+        return False
+    from minivllm.kernels.common import use_pdl  # (a GPU: Triton is there)
+
+    return use_pdl(torch.device(device))
 
 
 def kernel_policy(
@@ -59,15 +73,11 @@ def kernel_policy(
         make_attention_backend(prefill or decode),
         one_row_gemv=gpu,
         norms_in_products=gpu,
-        few_row_products=gpu and FEW_ROWS,
+        few_row_products=gpu and FEW_ROWS and starts_kernels_early(device),
         fused_qk_norm_rope=gpu and same_cache_dtype,
         triton_activation=gpu,
         fused_moe=gpu,
     )
-
-
-# %% auto #0
-__all__ = ["FEW_ROWS", "KernelPolicy", "kernel_policy", "UsesKernelPolicy", "apply_policy"]
 
 
 # %% ../../notebooks/deep_dives/08_kernel_policy.ipynb #b31d9518

@@ -39,7 +39,7 @@ def linear(
 ) -> torch.Tensor:
     """`x W^T + b`; with `packed`, oneDNN's copy of the weight on a CPU, for up to 256 rows (their count padded to 2^k);
     with `one_row_gemv` (a GPU's kernel policy), one row takes a matrix-vector kernel (`gemv`, notebook 06: cuBLAS
-    reads a weight for one row slowly), and with `few_rows` 2 to 32 rows of 16-bit numbers take `few_rows_mm`."""
+    reads a weight for one row slowly), and with `few_rows` 2 to 16 rows of 16-bit numbers take `few_rows_mm`."""
     if one_row_gemv and bias is None and x.numel() == x.shape[-1]:  # one row: notebook 06's kernel
         from minivllm.kernels.gemv import gemv
 
@@ -88,7 +88,7 @@ class LinearBase(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.packed_weight: torch.Tensor | None = None  # set by `pack_for_cpu` (below) on a CPU
         self.one_row_gemv = False  # one row by notebook 06's `gemv`: the kernel policy's choice (notebook 08)
-        self.few_rows = False  # 2 to 32 rows by `few_rows_mm` (notebook 06's deep dive): the policy's choice too
+        self.few_rows = False  # 2 to 16 rows by `few_rows_mm` (notebook 06's deep dive): the policy's choice too
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
             self.bias.weight_loader = self.weight_loader
