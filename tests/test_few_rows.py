@@ -118,7 +118,7 @@ def test_gpu_engine_gives_the_tokens_of_cublas_with_the_few_row_products(monkeyp
     engine = dict(device="cuda", dtype=dtype, max_model_len=256, gpu_memory_utilization=0.3, max_num_seqs=16)
     runs = {}
     for name, on in [("few rows", True), ("cuBLAS", False)]:
-        monkeypatch.setattr(kernel_policy, "FEW_ROWS", on)  # MINIVLLM_FEW_ROWS=1, as read at import
+        monkeypatch.setattr(kernel_policy, "FEW_ROWS", on)  # MINIVLLM_FEW_ROWS, as read at import
         with LLM(TINY_MODEL_PATH, **engine) as llm:
             assert llm.llm_engine.executor.runner.model.model.layers[0].policy.few_row_products == on
             runs[name] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
