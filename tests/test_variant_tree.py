@@ -92,3 +92,11 @@ def test_the_probes_tiles_drive_the_packages_few_row_products(variant_tree, tmp_
     assert lines[0] == "(16, 16, 1024, 1, 8) (16, 32, 1024, 1, 8)"  # the probe's tiles at 8 rows
     assert lines[1].startswith("(16, 32, 512, 3, 4) (32, ")  # 32 rows: the package's own tiles
     assert float(lines[2]) < 2e-3  # o's product in the probe's tiles (two 1,024-input steps), float16 rounding
+
+
+def test_more_rows_start_early_in_a_pdl_tree(variant_tree, tmp_path):
+    tree = variant_tree.make_tree(tmp_path / "v", pdl_max_rows=16)
+    (tree / "minivllm/data").symlink_to(ROOT / "minivllm/data")
+    assert json.loads((tree / "variant.json").read_text())["pdl_max_rows"] == 16
+    script = "from minivllm.kernels import common\nprint(common.PDL_MAX_ROWS)\n"
+    assert run_in_tree(tree, script).strip() == "16"

@@ -6,6 +6,7 @@ issue 52's small batches measured in the engine beside main, in one call, before
     python tools/variant_tree.py DEST --few-row 16     # 2 to 16 rows: tensor-core products launched early (below)
     python tools/variant_tree.py DEST --fused-gate-up 64   # 2 to 64 rows: gate/up product and SiLU in one kernel
     python tools/variant_tree.py DEST --tuned-few-rows PROBE.json  # the package's few-row products, the probe's tiles
+    python tools/variant_tree.py DEST --pdl-max-rows 16   # every Triton kernel of a step of up to 16 rows starts early
     python tools/variant_tree.py DEST --src OTHER_TREE ...  # start from another tree (default: this repository)
 
 The edits, each on a CUDA device only (a CPU run is the package's):
@@ -21,6 +22,9 @@ The edits, each on a CUDA device only (a CPU run is the package's):
   kernels start early) at 2 to `--few-rows-max` rows (default 16), each product of up to 16 rows in the tile, warps,
   stages and L2 prefetch that `tools/few_row_chain_probe.py` found fastest at 8 rows (its PROBE.json's `best`). The
   package's tiles are those it found on an H100 (figures/52_few_row_chain_probe_h100.json): this tries other cards'.
+- `--pdl-max-rows N`: every kernel of the package that can start early (`use_pdl`: the norms, the K/V write, the
+  decode kernel and its merge) does so in steps of up to N rows, not only one, so that each few-row product's weights
+  load while the kernel ahead runs and that kernel's own wait overlaps the one before it.
 The tools' modules are copied to DEST's top level, beside `minivllm`, where the edited package imports them.
 """
 
@@ -78,6 +82,10 @@ def edit_few_row(tree: Path, rows: int) -> None:
     replace_once(tree / "minivllm/kernels/common.py", "PDL_MAX_ROWS = 1 ", f"PDL_MAX_ROWS = {rows} ")
 
 
+def edit_pdl_max_rows(tree: Path, rows: int) -> None:
+    replace_once(tree / "minivllm/kernels/common.py", "PDL_MAX_ROWS = 1 ", f"PDL_MAX_ROWS = {rows} ")
+
+
 def edit_fused_gate_up(tree: Path, rows: int) -> None:
     for name in ("gate_up_silu_bench.py", "kernel_variants.py"):
         shutil.copy(TOOLS / name, tree / name)
@@ -131,6 +139,7 @@ def make_tree(
     fused_gate_up: int = 0,
     tuned_few_rows: dict | None = None,
     few_rows_max: int = 16,
+    pdl_max_rows: int = 0,
 ) -> Path:
     "Copy `src`'s package (without the embedded tiny model's data) to `dest` and apply the chosen edits."
     shutil.rmtree(dest, ignore_errors=True)
@@ -143,7 +152,10 @@ def make_tree(
         edit_fused_gate_up(dest, fused_gate_up)
     if tuned_few_rows:
         edit_tuned_few_rows(dest, tuned_few_rows, few_rows_max)
+    if pdl_max_rows:
+        edit_pdl_max_rows(dest, pdl_max_rows)
     edits = dict(decode_launch=launches or {}, few_row=few_row, fused_gate_up=fused_gate_up, src=str(src))
+    edits["pdl_max_rows"] = pdl_max_rows
     if tuned_few_rows:
         edits["tuned_few_rows"] = {str(shape): cfg for shape, cfg in tuned_few_rows.items()}
         edits["few_rows_max"] = few_rows_max
@@ -169,11 +181,14 @@ def main() -> None:
     ap.add_argument("--fused-gate-up", type=int, default=0, metavar="N")
     ap.add_argument("--tuned-few-rows", type=Path, default=None, metavar="PROBE.json")
     ap.add_argument("--few-rows-max", type=int, default=16, metavar="N")
+    ap.add_argument("--pdl-max-rows", type=int, default=0, metavar="N")
     args = ap.parse_args()
     launches = best_launches(json.loads(args.decode_launch_from.read_text())) if args.decode_launch_from else {}
     launches.update(dict(args.decode_launch))
     tiles = probe_tiles(json.loads(args.tuned_few_rows.read_text())) if args.tuned_few_rows else None
-    tree = make_tree(args.dest, args.src, launches, args.few_row, args.fused_gate_up, tiles, args.few_rows_max)
+    tree = make_tree(
+        args.dest, args.src, launches, args.few_row, args.fused_gate_up, tiles, args.few_rows_max, args.pdl_max_rows
+    )
     print(f"{tree}: {(tree / 'variant.json').read_text()}")
 
 
