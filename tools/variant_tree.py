@@ -67,6 +67,10 @@ def edit_decode_launch(tree: Path, launches: dict[int, list[int]]) -> None:
     replace_once(tree / "minivllm/kernels/paged_decode.py", old, new + old)
 
 
+def edit_pdl_max_rows(tree: Path, rows: int) -> None:
+    replace_once(tree / "minivllm/kernels/common.py", "PDL_MAX_ROWS = 1 ", f"PDL_MAX_ROWS = {rows} ")
+
+
 def edit_few_row(tree: Path, rows: int) -> None:
     shutil.copy(TOOLS / "few_row_bench.py", tree / "few_row_bench.py")
     old = "    rows = 0 if packed is None else x.numel() // max(x.shape[-1], 1)"
@@ -79,11 +83,7 @@ def edit_few_row(tree: Path, rows: int) -> None:
         "        return few_row_bench.splitk_mm(x, weight, bn=64, bk=256, splits=8, pdl=True)\n"
     )
     replace_once(tree / "minivllm/layers/linear.py", old, new + old)
-    replace_once(tree / "minivllm/kernels/common.py", "PDL_MAX_ROWS = 1 ", f"PDL_MAX_ROWS = {rows} ")
-
-
-def edit_pdl_max_rows(tree: Path, rows: int) -> None:
-    replace_once(tree / "minivllm/kernels/common.py", "PDL_MAX_ROWS = 1 ", f"PDL_MAX_ROWS = {rows} ")
+    edit_pdl_max_rows(tree, rows)
 
 
 def edit_fused_gate_up(tree: Path, rows: int) -> None:
