@@ -71,9 +71,10 @@ def test_the_probes_tiles_drive_the_packages_few_row_products(variant_tree, tmp_
         "gate_up": [32, 1024, 8, 1, 1],
         "down": [32, 512, 4, 3, 1],
     }
-    probe = {"rows": {"8": {"check": {}, "best": best}, "32": {"check": {}, "best": best}}}
+    probe = {"rows": {"8": {"check": {}, "sweep_o": [], "best": best}, "32": {"check": {}, "best": best}}}
     tiles = variant_tree.probe_tiles(probe)
-    assert tiles[(1024, 2048, False, False)] == [16, 1024, 4, 2, 2]
+    assert list(tiles) == [16]  # 32 rows took 8 rows' tiles: not swept there
+    assert tiles[16][(1024, 2048, False, False)] == [16, 1024, 4, 2, 2]
     tree = variant_tree.make_tree(tmp_path / "v", tuned_few_rows=tiles, few_rows_max=8)
     (tree / "minivllm/data").symlink_to(ROOT / "minivllm/data")
     script = (
@@ -92,6 +93,34 @@ def test_the_probes_tiles_drive_the_packages_few_row_products(variant_tree, tmp_
     assert lines[0] == "(16, 16, 1024, 1, 8) (16, 32, 1024, 1, 8)"  # the probe's tiles at 8 rows
     assert lines[1].startswith("(16, 32, 512, 3, 4) (32, ")  # 32 rows: the package's own tiles
     assert float(lines[2]) < 2e-3  # o's product in the probe's tiles (two 1,024-input steps), float16 rounding
+
+
+def test_a_probe_swept_at_32_rows_tiles_steps_of_17_to_32(variant_tree, tmp_path):
+    best = {
+        "qkv": [32, 1024, 8, 1, 2],
+        "o": [64, 256, 8, 3, 1],
+        "gate_up": [16, 1024, 4, 1, 1],
+        "down": [32, 512, 4, 2, 2],
+    }
+    probe8 = {"rows": {"8": {"sweep_o": [], "best": dict(best, o=[16, 1024, 4, 2, 2])}}}
+    probe32 = {"rows": {"32": {"sweep_o": [], "best": best}}}
+    tiles = variant_tree.probe_tiles(probe8, probe32)
+    assert sorted(tiles) == [16, 32]
+    tree = variant_tree.make_tree(tmp_path / "v", tuned_few_rows=tiles, few_rows_max=32)
+    (tree / "minivllm/data").symlink_to(ROOT / "minivllm/data")
+    script = (
+        "import torch, torch.nn.functional as F\n"
+        "from minivllm.kernels import few_rows\n"
+        "assert few_rows.FEW_ROWS_STEP_MAX == 32\n"
+        "print(few_rows.few_rows_tiles(8, 1024, 2048, False), few_rows.few_rows_tiles(24, 1024, 2048, False))\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x, w = torch.randn(24, 2048, generator=g).half(), (torch.randn(1024, 2048, generator=g) / 40).half()\n"
+        "want = F.linear(x.float(), w.float())\n"
+        "print(float((few_rows.few_rows_mm(x, w).float() - want).abs().max() / want.abs().max()))\n"
+    )
+    lines = run_in_tree(tree, script).splitlines()
+    assert lines[0] == "(16, 16, 1024, 2, 4) (32, 64, 256, 3, 8)"
+    assert float(lines[1]) < 2e-3
 
 
 def test_more_rows_start_early_in_a_pdl_tree(variant_tree, tmp_path):

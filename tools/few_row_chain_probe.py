@@ -1,6 +1,7 @@
 """A decode step's four products at a few rows (batch 8 or 32), chained over 28 layers: cuBLAS against one kernel each.
 
     python tools/few_row_chain_probe.py OUT.json                 # on a GPU (Hopper: early launch, bulk L2 prefetch)
+    python tools/few_row_chain_probe.py OUT.json --rows 32 --sweep-rows 32 --grid wide   # tiles chosen at 32 rows
     TRITON_INTERPRET=1 python tools/few_row_chain_probe.py x.json --check-only   # on a CPU: the kernel against torch
 
 The engine's step at batch 8 runs each layer's products as cuBLAS kernels with a norm before qkv and gate/up and the
@@ -152,6 +153,7 @@ def main() -> None:
     ap.add_argument("--rows", default="8,32")
     ap.add_argument("--sweep-rows", type=int, default=8, help="sweep the launch choices at this row count only")
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--grid", choices=("narrow", "wide"), default="narrow", help="wide: 8 warps and 64-wide tiles too")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     default = {
@@ -183,7 +185,9 @@ def main() -> None:
             k = layers[0][name].shape[1]
             if m != args.sweep_rows:
                 continue
-            if k > HIDDEN:
+            if k > HIDDEN and args.grid == "wide":
+                grid = itertools.product((16, 32, 64), (256, 512), (4, 8), (2, 3), (1, 2))
+            elif k > HIDDEN:
                 grid = itertools.product((16, 32), (256, 512, 1024), (4,), (2, 3), (1, 2))
             else:
                 grid = itertools.product((16, 32), (1024,), (4, 8), (1,), (1, 2))
@@ -192,6 +196,7 @@ def main() -> None:
             best[name] = min(ok, key=lambda s: s["us"])["cfg"]
             r[f"sweep_{name}"] = swept
             print(m, name, "best", best[name], f"{min(s['us'] for s in ok):.2f} us", flush=True)
+            json.dump(result, open(args.out, "w"), indent=1, default=str)  # what a cut-short run measured
         best = best or result["rows"][args.sweep_rows]["best"]
         r["best"] = best
         r["check_best"] = check("cuda", m, best)

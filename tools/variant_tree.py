@@ -18,10 +18,11 @@ The edits, each on a CUDA device only (a CPU run is the package's):
   (`PDL_MAX_ROWS`), so the kernel before each product starts it early too.
 - `--fused-gate-up N`: the MLP of 2 to N rows runs `tools/gate_up_silu_bench.py`'s fused kernel in 16 x 64 x 128
   tiles (8.0 against 9.1-9.3 us at 8 and 32 rows as graph replays, figures/52_gate_up_silu_graphs_h100.json).
-- `--tuned-few-rows PROBE.json`: the package's own few-row products (`kernels/few_rows.py`, on by default where
-  kernels start early) at 2 to `--few-rows-max` rows (default 16), each product of up to 16 rows in the tile, warps,
-  stages and L2 prefetch that `tools/few_row_chain_probe.py` found fastest at 8 rows (its PROBE.json's `best`). The
-  package's tiles are those it found on an H100 (figures/52_few_row_chain_probe_h100.json): this tries other cards'.
+- `--tuned-few-rows PROBE.json` (repeatable): the package's own few-row products (`kernels/few_rows.py`, on by default
+  where kernels start early) at 2 to `--few-rows-max` rows (default 16), in the tile, warps, stages and L2 prefetch
+  that `tools/few_row_chain_probe.py` found fastest (its PROBE.json's `best`) at the row count it swept
+  (`--sweep-rows`): 8 rows' tiles for steps of up to 16 rows, 32 rows' for 17 to 32. The package's tiles are those it
+  found on an H100 at 8 rows (figures/52_few_row_chain_probe_h100.json): this tries other cards' and 32 rows'.
 - `--pdl-max-rows N`: every kernel of the package that can start early (`use_pdl`: the norms, the K/V write, the
   decode kernel and its merge) does so in steps of up to N rows, not only one, so that each few-row product's weights
   load while the kernel ahead runs and that kernel's own wait overlaps the one before it.
@@ -106,27 +107,35 @@ PROBE_SHAPES = {  # the probe's products (Qwen3-0.6B): (outputs, inputs, norm in
 }
 
 
-def probe_tiles(probe: dict) -> dict[tuple, list[int]]:
-    "The probe's fastest (block_n, block_k, warps, stages, prefetch mode) per product, keyed by the launcher's shape."
-    swept = [r["best"] for r in probe["rows"].values() if "best" in r]
-    if not swept:
-        raise SystemExit("variant_tree: the probe's results hold no `best` tiles (run it on a GPU)")
-    return {PROBE_SHAPES[name]: list(cfg) for name, cfg in swept[0].items()}
+def probe_tiles(*probes: dict) -> dict[int, dict[tuple, list[int]]]:
+    """The probes' fastest (block_n, block_k, warps, stages, prefetch mode) per product, keyed by the launcher's
+    block_m (16 for up to 16 rows, 32 for 17 to 32) and shape: only row counts a probe swept (`--sweep-rows`)."""
+    tiles: dict[int, dict[tuple, list[int]]] = {}
+    for probe in probes:
+        for rows, r in probe["rows"].items():
+            if "best" in r and any(key.startswith("sweep_") for key in r):
+                block_m = max(16, 1 << (int(rows) - 1).bit_length())
+                tiles[block_m] = {PROBE_SHAPES[name]: list(cfg) for name, cfg in r["best"].items()}
+    if not tiles:
+        raise SystemExit("variant_tree: the probe's results hold no swept `best` tiles (run it on a GPU)")
+    return tiles
 
 
-def edit_tuned_few_rows(tree: Path, tiles: dict[tuple, list[int]], most_rows: int) -> None:
+def edit_tuned_few_rows(tree: Path, tiles: dict[int, dict[tuple, list[int]]], most_rows: int) -> None:
     path = tree / "minivllm/kernels/few_rows.py"
     old = "    block_m = max(16, triton.next_power_of_2(m))\n"
     new = (
-        f"    tuned = {tiles!r}.get((n, k, norm, fuse_silu))  # (tools/variant_tree.py --tuned-few-rows)\n"
-        "    if tuned and m <= 16:\n"
+        "    block_m = max(16, triton.next_power_of_2(m))\n"
+        f"    tuned = {tiles!r}.get(block_m, {{}}).get((n, k, norm, fuse_silu))  # (tools/variant_tree.py)\n"
+        "    if tuned:\n"
         "        block_k = triton.next_power_of_2(k) if norm else min(tuned[1], triton.next_power_of_2(k))\n"
-        "        return 16, tuned[0], block_k, tuned[3], tuned[2]\n"
+        "        return block_m, tuned[0], block_k, tuned[3], tuned[2]\n"
     )
-    replace_once(path, old, new + old)
-    prefetch = {shape: cfg[4] == 2 for shape, cfg in tiles.items()}
+    replace_once(path, old, new)
+    prefetch = {(bm, *shape): cfg[4] == 2 for bm, shapes in tiles.items() for shape, cfg in shapes.items()}
     old = "        PREFETCH_L2=FEW_ROWS_L2 and pdl and k > block_k,\n"
-    new = f"        PREFETCH_L2=FEW_ROWS_L2 and pdl and {prefetch!r}.get((n, k, norm, fuse_silu), k > block_k),\n"
+    key = "(block_m, n, k, norm, fuse_silu)"
+    new = f"        PREFETCH_L2=FEW_ROWS_L2 and pdl and {prefetch!r}.get({key}, k > block_k),\n"
     replace_once(path, old, new)
     replace_once(path, "FEW_ROWS_STEP_MAX = 16 ", f"FEW_ROWS_STEP_MAX = {most_rows} ")
 
@@ -157,7 +166,7 @@ def make_tree(
     edits = dict(decode_launch=launches or {}, few_row=few_row, fused_gate_up=fused_gate_up, src=str(src))
     edits["pdl_max_rows"] = pdl_max_rows
     if tuned_few_rows:
-        edits["tuned_few_rows"] = {str(shape): cfg for shape, cfg in tuned_few_rows.items()}
+        edits["tuned_few_rows"] = {f"{bm} {shape}": cfg for bm, t in tuned_few_rows.items() for shape, cfg in t.items()}
         edits["few_rows_max"] = few_rows_max
     (dest / "variant.json").write_text(json.dumps(edits, indent=1))
     return dest
@@ -179,13 +188,13 @@ def main() -> None:
     ap.add_argument("--decode-launch-from", type=Path, default=None, metavar="SWEEP.json")
     ap.add_argument("--few-row", type=int, default=0, metavar="N")
     ap.add_argument("--fused-gate-up", type=int, default=0, metavar="N")
-    ap.add_argument("--tuned-few-rows", type=Path, default=None, metavar="PROBE.json")
+    ap.add_argument("--tuned-few-rows", type=Path, action="append", default=[], metavar="PROBE.json")
     ap.add_argument("--few-rows-max", type=int, default=16, metavar="N")
     ap.add_argument("--pdl-max-rows", type=int, default=0, metavar="N")
     args = ap.parse_args()
     launches = best_launches(json.loads(args.decode_launch_from.read_text())) if args.decode_launch_from else {}
     launches.update(dict(args.decode_launch))
-    tiles = probe_tiles(json.loads(args.tuned_few_rows.read_text())) if args.tuned_few_rows else None
+    tiles = probe_tiles(*(json.loads(p.read_text()) for p in args.tuned_few_rows)) if args.tuned_few_rows else None
     tree = make_tree(
         args.dest, args.src, launches, args.few_row, args.fused_gate_up, tiles, args.few_rows_max, args.pdl_max_rows
     )
