@@ -1,7 +1,7 @@
 """A decode step's four products at a few rows (batch 8 or 32), chained over 28 layers: cuBLAS against one kernel each.
 
     python tools/few_row_chain_probe.py OUT.json                 # on a GPU (Hopper: early launch, bulk L2 prefetch)
-    python tools/few_row_chain_probe.py OUT.json --rows 32 --sweep-rows 32 --grid wide   # tiles chosen at 32 rows
+    python tools/few_row_chain_probe.py OUT.json --sweep-rows 8,32 --grid wide   # wider tiles, split-K: 8 and 32 rows
     TRITON_INTERPRET=1 python tools/few_row_chain_probe.py x.json --check-only   # on a CPU: the kernel against torch
 
 The engine's step at batch 8 runs each layer's products as cuBLAS kernels with a norm before qkv and gate/up and the
@@ -25,18 +25,98 @@ import os
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
-from minivllm.kernels.few_rows import _few_rows_kernel
+from minivllm.kernels.common import pdl_launch_next, pdl_wait
+from minivllm.kernels.few_rows import _few_rows_kernel, _input_tile, _weight_tile
 
 LAYERS, HIDDEN, Q, KV, INTER = 28, 1024, 2048, 1024, 3072
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@triton.jit
+def _splitk_kernel(
+    y_ptr, part_ptr, count_ptr, x_ptr, w_ptr, M, N, K, K_SPLIT, stride_x,
+    SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH_L2: tl.constexpr, PDL: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """The package's few-row product over one slice of K a program (program_id(1)): each writes its float32 partial,
+    and the last of a column block's programs to finish (a counter it then resets) sums them into y."""
+    pdl_launch_next(PDL)
+    pid_n = tl.program_id(0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * K_SPLIT + tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, BLOCK_M)
+    if PREFETCH_L2:  # this program's slice of each weight row on its way to L2
+        ptrs = w_ptr + tl.where(n < N, n, 0).to(tl.int64) * K + tl.program_id(1) * K_SPLIT
+        nbytes = tl.full(n.shape, 0, tl.int32) + tl.minimum(K_SPLIT, K - tl.program_id(1) * K_SPLIT) * 2
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [ptrs, nbytes],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    w = _weight_tile(w_ptr, n, k, N, K)
+    pdl_wait(PDL)
+    h = _input_tile(x_ptr, rows, k, M, K, stride_x)
+    if DOT_FP32:
+        h, w = h.to(tl.float32), w.to(tl.float32)
+    acc = tl.dot(h, w)
+    for k0 in range(BLOCK_K, K_SPLIT, BLOCK_K):
+        w = _weight_tile(w_ptr, n, k0 + k, N, K)
+        h = _input_tile(x_ptr, rows, k0 + k, M, K, stride_x)
+        if DOT_FP32:
+            h, w = h.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(h, w, acc)
+    mask = (rows < M)[:, None] & (n < N)[None, :]
+    offs = rows[:, None] * N + n[None, :]
+    tl.store(part_ptr + tl.program_id(1) * BLOCK_M * N + offs, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial written before the counter says so
+    arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+    if arrived == SPLITS - 1:
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for s in tl.static_range(SPLITS):
+            total += tl.load(part_ptr + s * BLOCK_M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+_SCRATCH: dict = {}
+
+
+def splitk(x, w, cfg, pdl=False):
+    "x [M, K] @ w.T in `cfg[5]` slices of K (cfg as `few_rows`'), one launch; partials and counters kept per shape."
+    m, k = x.shape
+    n = w.shape[0]
+    block_n, block_k, warps, stages, prefetch, splits = cfg
+    block_m = max(16, triton.next_power_of_2(m))
+    k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_split)
+    key = (x.device, block_m, n, splits, block_n)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = (
+            torch.empty(splits * block_m * n, dtype=torch.float32, device=x.device),
+            torch.zeros(triton.cdiv(n, block_n), dtype=torch.int32, device=x.device),
+        )
+    part, count = _SCRATCH[key]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    extra = {} if INTERPRET else {"launch_pdl": pdl}
+    _splitk_kernel[(triton.cdiv(n, block_n), splits)](
+        y, part, count, x, w, m, n, k, k_split, x.stride(0),
+        SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PREFETCH_L2=prefetch == 2 and not INTERPRET, PDL=pdl and not INTERPRET, DOT_FP32=INTERPRET,
+        num_warps=warps, num_stages=stages, **extra,
+    )  # fmt: skip
+    return y
+
+
 def few_rows(x, w, cfg, norm=None, silu=False, pdl=False):
-    """x [M, K] (rows may be strided) @ w.T; norm = (residual, norm_weight, eps): returns (y, x + residual)."""
+    """x [M, K] (rows may be strided) @ w.T; norm = (residual, norm_weight, eps): returns (y, x + residual).
+    cfg: (block_n, block_k, warps, stages, prefetch mode[, K slices]); more than one slice: `splitk` (no norm)."""
+    if len(cfg) > 5 and cfg[5] > 1:
+        assert norm is None and not silu
+        return splitk(x, w, cfg, pdl)
     m, k = x.shape
     n = w.shape[0] // 2 if silu else w.shape[0]
-    block_n, block_k, warps, stages, prefetch = cfg
+    block_n, block_k, warps, stages, prefetch = cfg[:5]
     block_k = k if norm is not None else min(block_k, k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     total = torch.empty(m, k, dtype=x.dtype, device=x.device) if norm is not None else y
@@ -151,10 +231,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--rows", default="8,32")
-    ap.add_argument("--sweep-rows", type=int, default=8, help="sweep the launch choices at this row count only")
+    ap.add_argument("--sweep-rows", default="8", help="sweep the launch choices at these row counts only (8,32)")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--grid", choices=("narrow", "wide"), default="narrow", help="wide: 8 warps and 64-wide tiles too")
     args = ap.parse_args()
+    sweep_rows = [int(r) for r in args.sweep_rows.split(",")]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     default = {
         "qkv": (16, 1024, 4, 1, 1),
@@ -164,8 +245,9 @@ def main() -> None:
     }
     result = {"rows": {}}
     for m in [int(r) for r in args.rows.split(",")]:
-        result["rows"][m] = {"check": check(device, m, default)}
-        print(m, "check", result["rows"][m]["check"], flush=True)
+        split = dict(default, o=(16, 256, 4, 2, 2, 2), down=(32, 256, 4, 2, 1, 4))
+        result["rows"][m] = {"check": check(device, m, default), "check_split": check(device, m, split)}
+        print(m, "check", result["rows"][m]["check"], result["rows"][m]["check_split"], flush=True)
     if args.check_only or device == "cpu":
         json.dump(result, open(args.out, "w"), indent=1)
         return
@@ -183,10 +265,13 @@ def main() -> None:
         best = {}
         for name in PRODUCTS:
             k = layers[0][name].shape[1]
-            if m != args.sweep_rows:
+            if m not in sweep_rows:
                 continue
-            if k > HIDDEN and args.grid == "wide":
-                grid = itertools.product((16, 32, 64), (256, 512), (4, 8), (2, 3), (1, 2))
+            if k > HIDDEN and args.grid == "wide":  # (split-K last: a tie keeps one launch)
+                grid = itertools.chain(
+                    itertools.product((16, 32, 64), (256, 512), (4, 8), (3,), (1, 2)),
+                    itertools.product((16, 32, 64), (256,), (4,), (2, 3), (2,), (2, 4)),
+                )
             elif k > HIDDEN:
                 grid = itertools.product((16, 32), (256, 512, 1024), (4,), (2, 3), (1, 2))
             else:
@@ -197,7 +282,7 @@ def main() -> None:
             r[f"sweep_{name}"] = swept
             print(m, name, "best", best[name], f"{min(s['us'] for s in ok):.2f} us", flush=True)
             json.dump(result, open(args.out, "w"), indent=1, default=str)  # what a cut-short run measured
-        best = best or result["rows"][args.sweep_rows]["best"]
+        best = best or result["rows"][sweep_rows[0]]["best"]
         r["best"] = best
         r["check_best"] = check("cuda", m, best)
         x0 = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
