@@ -100,7 +100,7 @@ def test_a_probe_swept_at_32_rows_tiles_steps_of_17_to_32(variant_tree, tmp_path
         "qkv": [32, 1024, 8, 1, 2],
         "o": [64, 256, 8, 3, 1],
         "gate_up": [16, 1024, 4, 1, 1],
-        "down": [32, 512, 4, 2, 2],
+        "down": [32, 256, 4, 2, 2, 4],
     }
     probe8 = {"rows": {"8": {"sweep_o": [], "best": dict(best, o=[16, 1024, 4, 2, 2])}}}
     probe32 = {"rows": {"32": {"sweep_o": [], "best": best}}}
@@ -117,10 +117,17 @@ def test_a_probe_swept_at_32_rows_tiles_steps_of_17_to_32(variant_tree, tmp_path
         "x, w = torch.randn(24, 2048, generator=g).half(), (torch.randn(1024, 2048, generator=g) / 40).half()\n"
         "want = F.linear(x.float(), w.float())\n"
         "print(float((few_rows.few_rows_mm(x, w).float() - want).abs().max() / want.abs().max()))\n"
+        "import few_row_chain_probe\n"
+        "x, w = torch.randn(24, 3072, generator=g).half(), (torch.randn(1024, 3072, generator=g) / 40).half()\n"
+        "want = F.linear(x.float(), w.float())\n"
+        "print(float((few_rows.few_rows_mm(x, w).float() - want).abs().max() / want.abs().max()))\n"
+        "print(sorted(k[1] for k in few_row_chain_probe._SCRATCH))\n"
     )
     lines = run_in_tree(tree, script).splitlines()
     assert lines[0] == "(16, 16, 1024, 2, 4) (32, 64, 256, 3, 8)"
     assert float(lines[1]) < 2e-3
+    assert float(lines[2]) < 2e-3  # down in 4 slices of K, summed by the last program
+    assert lines[3] == "[32]"  # down's partials: the split-K kernel ran
 
 
 def test_more_rows_start_early_in_a_pdl_tree(variant_tree, tmp_path):

@@ -82,7 +82,7 @@ def _splitk_kernel(
 _SCRATCH: dict = {}
 
 
-def splitk(x, w, cfg, pdl=False):
+def splitk(x, w, cfg, pdl=False, out=None):
     "x [M, K] @ w.T in `cfg[5]` slices of K (cfg as `few_rows`'), one launch; partials and counters kept per shape."
     m, k = x.shape
     n = w.shape[0]
@@ -97,7 +97,7 @@ def splitk(x, w, cfg, pdl=False):
             torch.zeros(triton.cdiv(n, block_n), dtype=torch.int32, device=x.device),
         )
     part, count = _SCRATCH[key]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     extra = {} if INTERPRET else {"launch_pdl": pdl}
     _splitk_kernel[(triton.cdiv(n, block_n), splits)](
         y, part, count, x, w, m, n, k, k_split, x.stride(0),

@@ -22,7 +22,8 @@ The edits, each on a CUDA device only (a CPU run is the package's):
   where kernels start early) at 2 to `--few-rows-max` rows (default 16), in the tile, warps, stages and L2 prefetch
   that `tools/few_row_chain_probe.py` found fastest (its PROBE.json's `best`) at the row count it swept
   (`--sweep-rows`): 8 rows' tiles for steps of up to 16 rows, 32 rows' for 17 to 32. The package's tiles are those it
-  found on an H100 at 8 rows (figures/52_few_row_chain_probe_h100.json): this tries other cards' and 32 rows'.
+  found on an H100 at 8 rows (figures/52_few_row_chain_probe_h100.json): this tries other cards' and 32 rows'. A
+  tile with K slices (the probe's `--grid wide`) runs the probe's split-K kernel, copied beside the package.
 - `--pdl-max-rows N`: every kernel of the package that can start early (`use_pdl`: the norms, the K/V write, the
   decode kernel and its merge) does so in steps of up to N rows, not only one, so that each few-row product's weights
   load while the kernel ahead runs and that kernel's own wait overlaps the one before it.
@@ -138,6 +139,18 @@ def edit_tuned_few_rows(tree: Path, tiles: dict[int, dict[tuple, list[int]]], mo
     new = f"        PREFETCH_L2=FEW_ROWS_L2 and pdl and {prefetch!r}.get({key}, k > block_k),\n"
     replace_once(path, old, new)
     replace_once(path, "FEW_ROWS_STEP_MAX = 16 ", f"FEW_ROWS_STEP_MAX = {most_rows} ")
+    splits = {(bm, *shape): cfg for bm, shapes in tiles.items() for shape, cfg in shapes.items() if cfg[5:6] > [1]}
+    if splits:  # the probe's split-K kernel for those products
+        shutil.copy(TOOLS / "few_row_chain_probe.py", tree / "few_row_chain_probe.py")
+        old = "    pdl = FEW_ROWS_PDL and use_pdl(x.device)\n"
+        new = (
+            f"    split = {splits!r}.get((block_m, n, k, norm, fuse_silu))\n"
+            "    if split:  # (tools/variant_tree.py: the probe's split-K)\n"
+            "        import few_row_chain_probe\n\n"
+            "        few_row_chain_probe.splitk(x, weight, split, pdl, out=y)\n"
+            "        return\n"
+        )
+        replace_once(path, old, old + new)
 
 
 def make_tree(
