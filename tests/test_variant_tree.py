@@ -136,3 +136,16 @@ def test_more_rows_start_early_in_a_pdl_tree(variant_tree, tmp_path):
     assert json.loads((tree / "variant.json").read_text())["pdl_max_rows"] == 16
     script = "from minivllm.kernels import common\nprint(common.PDL_MAX_ROWS)\n"
     assert run_in_tree(tree, script).strip() == "16"
+
+
+def test_small_decode_tiles_take_twice_the_splits(variant_tree, tmp_path):
+    tree = variant_tree.make_tree(tmp_path / "v", small_decode_tiles=32)
+    (tree / "minivllm/data").symlink_to(ROOT / "minivllm/data")
+    assert json.loads((tree / "variant.json").read_text())["small_decode_tiles"] == 32
+    script = (
+        "from minivllm.kernels.decode_plan import choose_num_splits\n"
+        "print(choose_num_splits(8, 8, 4096, 16, 132, 8), choose_num_splits(32, 8, 4096, 16, 132, 8))\n"
+        "print(choose_num_splits(8, 8, 4096, 64, 132))\n"
+    )
+    lines = run_in_tree(tree, script).splitlines()
+    assert lines == ["16 4", "8"]  # the sweep's fastest splits at batches 8 and 32; the engine's own rule unchanged

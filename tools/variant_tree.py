@@ -27,6 +27,9 @@ The edits, each on a CUDA device only (a CPU run is the package's):
 - `--pdl-max-rows N`: every kernel of the package that can start early (`use_pdl`: the norms, the K/V write, the
   decode kernel and its merge) does so in steps of up to N rows, not only one, so that each few-row product's weights
   load while the kernel ahead runs and that kernel's own wait overlaps the one before it.
+- `--small-decode-tiles N`: decode steps of up to N sequences (16-bit cache, no shared prefix) in 16-position tiles,
+  2 warps, 2 stages, up to 8 programs an SM (twice the splits): the fastest at batches 8 and 32 in
+  `tools/decode_layers_sweep.py` on an H100 (figures/52_decode_layers_sweep_small_tiles_h100.json).
 The tools' modules are copied to DEST's top level, beside `minivllm`, where the edited package imports them.
 """
 
@@ -65,6 +68,29 @@ def edit_decode_launch(tree: Path, launches: dict[int, list[int]]) -> None:
         "    if trial:  # (tools/variant_tree.py --decode-launch)\n"
         "        block_n, num_warps = block_n or trial[0], num_warps or trial[1]\n"
         "        num_stages, num_splits = num_stages or trial[2], num_splits or trial[3]\n"
+    )
+    replace_once(tree / "minivllm/kernels/paged_decode.py", old, new + old)
+
+
+def edit_small_decode_tiles(tree: Path, batch: int) -> None:
+    """Decode steps of up to `batch` sequences (16-bit cache, no shared prefix) in 16-position tiles, 2 warps, 2 stages,
+    and as many warps an SM as the engine's plan: 8 programs an SM instead of 4, so twice the splits."""
+    plan = tree / "minivllm/kernels/decode_plan.py"
+    old = "def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, sms: int) -> int:\n"
+    new = (
+        "def choose_num_splits(\n"
+        "    batch: int, num_kv_heads: int, max_context: int, block_n: int, sms: int, per_sm: int = 4\n"
+        ") -> int:\n"
+    )
+    replace_once(plan, old, new)
+    replace_once(plan, "    wanted = 4 * sms // pairs", "    wanted = per_sm * sms // pairs")
+    old = "    block_n = block_n or (DECODE_BLOCK_N_8BIT if eight_bit else DECODE_BLOCK_N)\n"
+    new = (
+        f"    if batch <= {batch} and q.is_cuda and not eight_bit and not cascade:  # (tools/variant_tree.py)\n"
+        "        block_n, num_warps, num_stages = block_n or 16, num_warps or 2, num_stages or 2\n"
+        "        context = block_tables.shape[1] * page_size\n"
+        "        sms = num_sms(q.device)\n"
+        "        num_splits = num_splits or choose_num_splits(batch, num_kv_heads, context, block_n, sms, 8)\n"
     )
     replace_once(tree / "minivllm/kernels/paged_decode.py", old, new + old)
 
@@ -162,6 +188,7 @@ def make_tree(
     tuned_few_rows: dict | None = None,
     few_rows_max: int = 16,
     pdl_max_rows: int = 0,
+    small_decode_tiles: int = 0,
 ) -> Path:
     "Copy `src`'s package (without the embedded tiny model's data) to `dest` and apply the chosen edits."
     shutil.rmtree(dest, ignore_errors=True)
@@ -176,8 +203,11 @@ def make_tree(
         edit_tuned_few_rows(dest, tuned_few_rows, few_rows_max)
     if pdl_max_rows:
         edit_pdl_max_rows(dest, pdl_max_rows)
+    if small_decode_tiles:
+        edit_small_decode_tiles(dest, small_decode_tiles)
     edits = dict(decode_launch=launches or {}, few_row=few_row, fused_gate_up=fused_gate_up, src=str(src))
     edits["pdl_max_rows"] = pdl_max_rows
+    edits["small_decode_tiles"] = small_decode_tiles
     if tuned_few_rows:
         edits["tuned_few_rows"] = {f"{bm} {shape}": cfg for bm, t in tuned_few_rows.items() for shape, cfg in t.items()}
         edits["few_rows_max"] = few_rows_max
@@ -204,12 +234,21 @@ def main() -> None:
     ap.add_argument("--tuned-few-rows", type=Path, action="append", default=[], metavar="PROBE.json")
     ap.add_argument("--few-rows-max", type=int, default=16, metavar="N")
     ap.add_argument("--pdl-max-rows", type=int, default=0, metavar="N")
+    ap.add_argument("--small-decode-tiles", type=int, default=0, metavar="N")
     args = ap.parse_args()
     launches = best_launches(json.loads(args.decode_launch_from.read_text())) if args.decode_launch_from else {}
     launches.update(dict(args.decode_launch))
     tiles = probe_tiles(*(json.loads(p.read_text()) for p in args.tuned_few_rows)) if args.tuned_few_rows else None
     tree = make_tree(
-        args.dest, args.src, launches, args.few_row, args.fused_gate_up, tiles, args.few_rows_max, args.pdl_max_rows
+        args.dest,
+        args.src,
+        launches,
+        args.few_row,
+        args.fused_gate_up,
+        tiles,
+        args.few_rows_max,
+        args.pdl_max_rows,
+        args.small_decode_tiles,
     )
     print(f"{tree}: {(tree / 'variant.json').read_text()}")
 
