@@ -156,6 +156,14 @@ def test_further_trees_run_in_each_round_and_compare_with_a(tmp_path, tool):
             tool.arms(tool.parse_args(["--tree", bad])[0])
 
 
+def test_a_variant_b_alone_is_measured_against_this_repository(tmp_path, tool):
+    variant = fake_tree(tmp_path / "variant", 110.0)
+    got = tool.arms(tool.parse_args(["--tree-b", str(variant)])[0])
+    assert got["A"]["tree"] == tool.ROOT.resolve() and got["B"]["tree"] == variant.resolve()
+    same = tool.arms(tool.parse_args([])[0])  # no tree named: one tree, two environments
+    assert same["A"]["tree"] == same["B"]["tree"] == tool.ROOT.resolve()
+
+
 def test_the_base_tree_from_a_commit(tmp_path, tool):
     repo = fake_tree(tmp_path / "repo", 100.0)
     (repo / "minivllm" / "data").mkdir()

@@ -7,7 +7,8 @@ environments, alternating A B A B A B (each run a fresh process), then each figu
     python tools/ab_bench.py --tree-a .carry/ab_base --runs 3 --max-seconds 560 --out ab.json -- --num-seqs 256
     python tools/ab_bench.py --tree-a BASE --tree-b V1 --tree v2=V2 --tree v3=V3 --runs 2 -- --latency --skip-standard
 
-A tree is a folder that holds a `minivllm` package (by default B is this repository and A is B); `--tree NAME=PATH`
+A tree is a folder that holds a `minivllm` package (by default both A and B are this repository; a B named alone is
+measured against this repository, and with `--env-a`/`--env-b` A is B's tree); `--tree NAME=PATH`
 adds further arms, run after A and B in each round (A B v2 v3 A B v2 v3 ...), each reported against A: copies of the
 base tree with one constant changed each compare several variants in one call. Each run's
 PYTHONPATH starts with its tree and python runs with -P, so that the working directory's own `minivllm` is not the
@@ -181,7 +182,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(
         prog="python tools/ab_bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--tree-a", type=Path, default=None, help="A's package tree (default: B's, or --base-commit's)")
+    ap.add_argument(
+        "--tree-a",
+        type=Path,
+        default=None,
+        help="A's package tree (default: this repository, B's with --env-a/-b, or --base-commit's)",
+    )
     ap.add_argument("--tree-b", type=Path, default=ROOT, help="B's package tree (default: this repository)")
     ap.add_argument(
         "--tree",
@@ -222,7 +228,8 @@ def arms(args: argparse.Namespace) -> dict[str, dict]:
     "Each arm's tree (made from --base-commit if asked), its settings and, where known, its commit."
     common = parse_env(args.env)
     tree_b, commit_a = args.tree_b.resolve(), None
-    tree_a = args.tree_a.resolve() if args.tree_a else tree_b
+    one_tree = args.env_a or args.env_b  # one tree under two environments; else a variant B against this repository
+    tree_a = args.tree_a.resolve() if args.tree_a else tree_b if one_tree else ROOT.resolve()
     if args.base_commit:
         if args.tree_a:
             raise SystemExit("ab_bench: --base-commit makes tree A: give it or --tree-a, not both")
