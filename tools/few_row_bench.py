@@ -156,6 +156,24 @@ def _rows2_kernel(
 
 
 @triton.jit
+def sum_splits(
+    y_ptr, part_ptr, count_ptr, acc, offs, mask, N, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Store this program's float32 partial (K slice program_id(1)); the last of its column block's programs to finish
+    (a counter it then resets, so the next launch finds it at zero) sums them all into y."""
+    pid_n = tl.program_id(0)
+    tl.store(part_ptr + tl.program_id(1) * BLOCK_M * N + offs, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial written before the counter says so
+    arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+    if arrived == SPLITS - 1:
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for s in tl.static_range(SPLITS):
+            total += tl.load(part_ptr + s * BLOCK_M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+@triton.jit
 def _splitk_kernel(
     y_ptr,
     part_ptr,
@@ -175,19 +193,8 @@ def _splitk_kernel(
     """Tensor cores, split-K in one kernel: each program writes its float32 partial product, and the last of a column
     block's programs to finish (a counter it then resets) sums them into y."""
     pdl_launch_next(PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     acc, rows, n, mask = _dot_slice(x_ptr, w_ptr, M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, PDL)
-    offs = rows[:, None] * N + n[None, :]
-    tl.store(part_ptr + pid_k * BLOCK_M * N + offs, acc, mask=mask)
-    tl.debug_barrier()  # every thread's partial written before the counter says so
-    arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-    if arrived == SPLITS - 1:
-        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for s in tl.static_range(SPLITS):
-            total += tl.load(part_ptr + s * BLOCK_M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(count_ptr + pid_n, 0)
+    sum_splits(y_ptr, part_ptr, count_ptr, acc, rows[:, None] * N + n[None, :], mask, N, SPLITS, BLOCK_M, BLOCK_N)
 
 
 def rows2_mm(x, w, bn=2, bk=512, warps=4, pdl=False):
@@ -197,6 +204,17 @@ def rows2_mm(x, w, bn=2, bk=512, warps=4, pdl=False):
 _SCRATCH: dict = {}
 
 
+def split_scratch(device, block_m, n, splits, block_n) -> tuple[torch.Tensor, torch.Tensor]:
+    "`sum_splits`' float32 partials and zeroed counters, kept per shape (the counters reset themselves)."
+    key = (device, block_m, n, splits, block_n)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = (
+            torch.empty(splits * block_m * n, dtype=torch.float32, device=device),
+            torch.zeros(triton.cdiv(n, block_n), dtype=torch.int32, device=device),
+        )
+    return _SCRATCH[key]
+
+
 def splitk_mm(x, w, bn=32, bk=128, splits=4, stages=3, warps=4, pdl=False):
     "Split-K in one launch; the partials and counters are kept per shape (the counters reset themselves)."
     M, K = x.shape
@@ -204,13 +222,7 @@ def splitk_mm(x, w, bn=32, bk=128, splits=4, stages=3, warps=4, pdl=False):
     bm = max(16, triton.next_power_of_2(M))
     k_split = triton.cdiv(triton.cdiv(K, splits), bk) * bk
     splits = triton.cdiv(K, k_split)
-    key = (x.device, bm, N, splits, bn)
-    if key not in _SCRATCH:
-        _SCRATCH[key] = (
-            torch.empty(splits * bm * N, dtype=torch.float32, device=x.device),
-            torch.zeros(triton.cdiv(N, bn), dtype=torch.int32, device=x.device),
-        )
-    part, count = _SCRATCH[key]
+    part, count = split_scratch(x.device, bm, N, splits, bn)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     _splitk_kernel[(triton.cdiv(N, bn), splits)](
         y,

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from few_row_bench import _SCRATCH, split_scratch, sum_splits  # noqa: F401 (_SCRATCH: the partials kept per shape)
 
 from minivllm.kernels.common import pdl_launch_next, pdl_wait
 from minivllm.kernels.few_rows import _few_rows_kernel, _input_tile, _weight_tile
@@ -67,19 +68,7 @@ def _splitk_kernel(
             h, w = h.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(h, w, acc)
     mask = (rows < M)[:, None] & (n < N)[None, :]
-    offs = rows[:, None] * N + n[None, :]
-    tl.store(part_ptr + tl.program_id(1) * BLOCK_M * N + offs, acc, mask=mask)
-    tl.debug_barrier()  # every thread's partial written before the counter says so
-    arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-    if arrived == SPLITS - 1:
-        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for s in tl.static_range(SPLITS):
-            total += tl.load(part_ptr + s * BLOCK_M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(count_ptr + pid_n, 0)
-
-
-_SCRATCH: dict = {}
+    sum_splits(y_ptr, part_ptr, count_ptr, acc, rows[:, None] * N + n[None, :], mask, N, SPLITS, BLOCK_M, BLOCK_N)
 
 
 def splitk(x, w, cfg, pdl=False, out=None):
@@ -90,13 +79,7 @@ def splitk(x, w, cfg, pdl=False, out=None):
     block_m = max(16, triton.next_power_of_2(m))
     k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_split)
-    key = (x.device, block_m, n, splits, block_n)
-    if key not in _SCRATCH:
-        _SCRATCH[key] = (
-            torch.empty(splits * block_m * n, dtype=torch.float32, device=x.device),
-            torch.zeros(triton.cdiv(n, block_n), dtype=torch.int32, device=x.device),
-        )
-    part, count = _SCRATCH[key]
+    part, count = split_scratch(x.device, block_m, n, splits, block_n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     extra = {} if INTERPRET else {"launch_pdl": pdl}
     _splitk_kernel[(triton.cdiv(n, block_n), splits)](

@@ -165,9 +165,15 @@ def edit_tuned_few_rows(tree: Path, tiles: dict[int, dict[tuple, list[int]]], mo
     new = f"        PREFETCH_L2=FEW_ROWS_L2 and pdl and {prefetch!r}.get({key}, k > block_k),\n"
     replace_once(path, old, new)
     replace_once(path, "FEW_ROWS_STEP_MAX = 16 ", f"FEW_ROWS_STEP_MAX = {most_rows} ")
-    splits = {(bm, *shape): cfg for bm, shapes in tiles.items() for shape, cfg in shapes.items() if cfg[5:6] > [1]}
+    splits = {
+        (bm, *shape): cfg
+        for bm, shapes in tiles.items()
+        for shape, cfg in shapes.items()
+        if len(cfg) > 5 and cfg[5] > 1
+    }
     if splits:  # the probe's split-K kernel for those products
-        shutil.copy(TOOLS / "few_row_chain_probe.py", tree / "few_row_chain_probe.py")
+        for name in ("few_row_chain_probe.py", "few_row_bench.py"):
+            shutil.copy(TOOLS / name, tree / name)
         old = "    pdl = FEW_ROWS_PDL and use_pdl(x.device)\n"
         new = (
             f"    split = {splits!r}.get((block_m, n, k, norm, fuse_silu))\n"
