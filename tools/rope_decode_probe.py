@@ -112,34 +112,63 @@ def _rope_decode_kernel(
         tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def rope_decode(layer: dict, meta: dict, tiles: dict) -> torch.Tensor:
-    "The fused kernel (and the merge): the queries from `layer['qkv']`, the new K/V written, the attention out."
-    qkv, k_cache, v_cache, out = layer["qkv"], layer["k_cache"], layer["v_cache"], layer["out"]
-    ctx, bt = meta["context_lens"], meta["block_tables"]
-    batch, block_n = ctx.shape[0], tiles.get("block_n", DECODE_BLOCK_N)
-    plan = plan_decode(batch, HEADS, KV_HEADS, bt.shape[1] * PAGE, num_sms(qkv.device), False, block_n,
-                       tiles.get("num_splits"))  # fmt: skip
-    parts = (batch, HEADS, plan.num_splits)
-    part_out = torch.empty(*parts, DIM, dtype=torch.float32, device=qkv.device) if plan.use_splits else out
+def rope_decode_attention(
+    qkv: torch.Tensor,
+    heads: tuple[int, int, int],
+    norms: tuple[torch.Tensor | None, torch.Tensor | None, float],
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """The fused kernel (and the merge) of a decode step: q from the packed `qkv` [B, (heads + 2 kv_heads) * dim],
+    the new K/V written at `slots`, attention over each sequence's cache; out [B, heads, dim]."""
+    num_heads, num_kv_heads, dim = heads
+    q_w, k_w, eps = norms
+    batch, page = context_lens.shape[0], k_cache.shape[1]
+    out = qkv.new_empty(batch, num_heads, dim) if out is None else out
+    block_n = block_n or DECODE_BLOCK_N
+    plan = plan_decode(batch, num_heads, num_kv_heads, block_tables.shape[1] * page, num_sms(qkv.device), False,
+                       block_n, num_splits)  # fmt: skip
+    parts = (batch, num_heads, plan.num_splits)
+    part_out = torch.empty(*parts, dim, dtype=torch.float32, device=qkv.device) if plan.use_splits else out
     part_lse = torch.empty(parts, dtype=torch.float32, device=qkv.device) if plan.use_splits else out
     pdl = use_pdl(qkv.device, batch)
-    _rope_decode_kernel[(KV_HEADS, batch, plan.num_splits)](
-        out, part_out, part_lse, qkv, layer["q_w"], layer["k_w"], meta["cos_sin"], meta["positions"],
-        meta["slots"], k_cache, v_cache, bt, ctx, DIM**-0.5 * math.log2(math.e), 1e-6, plan.num_splits,
-        qkv.stride(0), meta["cos_sin"].stride(0), out.stride()[:2], k_cache.stride()[:3], v_cache.stride()[:3],
-        bt.stride(0), NUM_Q_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, GROUP=HEADS // KV_HEADS,
-        GROUP_PAD=max(16, plan.group_pad), HEAD_DIM=DIM, PAGE_SIZE=PAGE, BLOCK_N=block_n,
-        USE_SPLITS=plan.use_splits, HAS_NORM=True, PDL=pdl, **dot_options(qkv.dtype),
-        num_warps=tiles.get("num_warps", DECODE_NUM_WARPS), num_stages=tiles.get("num_stages", DECODE_NUM_STAGES),
+    _rope_decode_kernel[(num_kv_heads, batch, plan.num_splits)](
+        out, part_out, part_lse, qkv, qkv if q_w is None else q_w, qkv if k_w is None else k_w, cos_sin, positions,
+        slots, k_cache, v_cache, block_tables, context_lens, scale * math.log2(math.e), eps, plan.num_splits,
+        qkv.stride(0), cos_sin.stride(0), out.stride()[:2], k_cache.stride()[:3], v_cache.stride()[:3],
+        block_tables.stride(0), NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
+        GROUP_PAD=max(16, plan.group_pad), HEAD_DIM=dim, PAGE_SIZE=page, BLOCK_N=block_n,
+        USE_SPLITS=plan.use_splits, HAS_NORM=q_w is not None, PDL=pdl, **dot_options(qkv.dtype),
+        num_warps=num_warps or DECODE_NUM_WARPS, num_stages=num_stages or DECODE_NUM_STAGES,
         **({} if INTERPRET else {"launch_pdl": pdl}),
     )  # fmt: skip
     if plan.use_splits:
-        _merge_splits_kernel[(HEADS, batch)](
-            out, part_out, part_lse, ctx, plan.num_splits, out.stride(0), out.stride(1), NUM_Q_HEADS=HEADS,
-            HEAD_DIM=DIM, DIM_PAD=DIM, SPLITS_PAD=triton.next_power_of_2(plan.num_splits), MIXED=False, PDL=pdl,
-            num_warps=4, **({} if INTERPRET else {"launch_pdl": pdl}),
+        _merge_splits_kernel[(num_heads, batch)](
+            out, part_out, part_lse, context_lens, plan.num_splits, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_heads, HEAD_DIM=dim, DIM_PAD=dim, SPLITS_PAD=triton.next_power_of_2(plan.num_splits),
+            MIXED=False, PDL=pdl, num_warps=4, **({} if INTERPRET else {"launch_pdl": pdl}),
         )  # fmt: skip
     return out
+
+
+def rope_decode(layer: dict, meta: dict, tiles: dict) -> torch.Tensor:
+    "The fused kernel on one of the probe's layers."
+    return rope_decode_attention(
+        layer["qkv"], (HEADS, KV_HEADS, DIM), (layer["q_w"], layer["k_w"], 1e-6), meta["cos_sin"], meta["positions"],
+        meta["slots"], layer["k_cache"], layer["v_cache"], meta["context_lens"], meta["block_tables"], DIM**-0.5,
+        out=layer["out"], **tiles,
+    )  # fmt: skip
 
 
 def pair_decode(layer: dict, meta: dict, tiles: dict) -> torch.Tensor:
@@ -267,11 +296,12 @@ def main() -> None:
             continue
         meta, layers = make_step(batch, args.context, args.layers, device)
         small = small_tiles(batch, device)
+        chain = lambda fn, tiles: lambda: [fn(layer, meta, tiles) for layer in layers]  # noqa: E731, B023
         arms = {
-            "pair": lambda: [pair_decode(layer, meta, {}) for layer in layers],
-            "fused": lambda: [rope_decode(layer, meta, {}) for layer in layers],
-            "pair_small": lambda: [pair_decode(layer, meta, small) for layer in layers],
-            "fused_small": lambda: [rope_decode(layer, meta, small) for layer in layers],
+            "pair": chain(pair_decode, {}),
+            "fused": chain(rope_decode, {}),
+            "pair_small": chain(pair_decode, small),
+            "fused_small": chain(rope_decode, small),
         }
         us = time_arms(arms, args.replays, args.rounds)
         result["chains_us"][batch] = {
