@@ -2,7 +2,8 @@
 tools/gate_up_silu_bench.py (the MLP's product with its activation, plain and by tensor descriptors),
 tools/qkv_epilogue_bench.py (the qkv product with the q/k norms, rotation and K/V write) and
 tools/l2_prefetch_probe.py (its prefetch kernel visits every line of a tensor once) and
-tools/persistent_decode_probe.py (a decode step's layers in one persistent kernel, against torch)."""
+tools/persistent_decode_probe.py (a decode step's layers in one persistent kernel, against torch) and
+tools/rope_decode_probe.py (the q/k norms, rotation and K/V write inside the decode kernel, against the pair)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,12 @@ def test_the_persistent_decode_kernel_matches_its_torch_reference():
             got = probe.check(probe.TINY, "cpu", torch.float32, 3, 40, 16, splits, block_n=16, preload=preload)
             assert got["err"] == 0, got
             assert max(got["h"], got["k"], got["v"]) < 1e-5, got
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_rope_decode_kernel_matches_the_engines_pair(batch):
+    probe = tool("rope_decode_probe")
+    for tiles in ({}, dict(block_n=16, num_warps=2, num_stages=2, num_splits=4)):
+        got = probe.check(batch, 40, torch.device("cpu"), tiles)  # 40 positions: the last tile's split writes
+        assert got["k_written"] > 0 and got["out_scale"] > 0  # the pair wrote the new key; attention read something
+        assert got["out"] == got["k"] == got["v"] == 0.0, got  # float16: the same roundings in the same order

@@ -149,3 +149,19 @@ def test_small_decode_tiles_take_twice_the_splits(variant_tree, tmp_path):
     )
     lines = run_in_tree(tree, script).splitlines()
     assert lines == ["16 4", "8"]  # the sweep's fastest splits at batches 8 and 32; the engine's own rule unchanged
+
+
+def test_the_rope_decode_edit_applies_and_the_tree_runs_on_a_cpu(variant_tree, tmp_path):
+    tree = variant_tree.make_tree(tmp_path / "v", small_decode_tiles=32, rope_decode=256)
+    assert json.loads((tree / "variant.json").read_text())["rope_decode"] == 256
+    qwen3 = (tree / "minivllm/models/qwen3.py").read_text()
+    assert "qkv.shape[0] <= 256" in qwen3 and "if batch <= 32:" in qwen3
+    out = run_in_tree(tree, "import minivllm.models.qwen3, rope_decode_probe\nprint(rope_decode_probe.__file__)\n")
+    assert out.strip() == str(tree / "rope_decode_probe.py")  # (the edit applies on CUDA only: here, the imports)
+
+
+def test_tree_agree_finds_the_first_differing_token():
+    agree = load_tool("tree_agree")
+    assert agree.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert agree.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert agree.first_difference([1, 2, 3], [1, 2]) == 2
