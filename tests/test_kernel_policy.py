@@ -33,7 +33,14 @@ from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels on a GPU, else interpreted on the CPU
-FAST_PATHS = ("one_row_gemv", "norms_in_products", "fused_qk_norm_rope", "triton_activation", "fused_moe")
+FAST_PATHS = (
+    "one_row_gemv",
+    "norms_in_products",
+    "fused_qk_norm_rope",
+    "rope_in_decode",
+    "triton_activation",
+    "fused_moe",
+)
 
 
 def test_make_attention_backend_and_the_graph_hooks():
@@ -68,7 +75,11 @@ def test_the_gpu_policy_turns_on_every_fast_path_and_the_fused_write_for_a_cache
     assert all(getattr(policy, name) for name in FAST_PATHS)
     assert kernel_policy(torch.device("cuda", 1), torch.bfloat16, cache_dtype=torch.bfloat16).fused_qk_norm_rope
     fp8 = kernel_policy("cuda", torch.bfloat16, "triton", cache_dtype=torch.float8_e4m3fn)
-    assert not fp8.fused_qk_norm_rope and all(getattr(fp8, name) for name in FAST_PATHS if name != "fused_qk_norm_rope")
+    fused_write = ("fused_qk_norm_rope", "rope_in_decode")  # (an 8-bit cache is written by the store, rounded)
+    assert not any(getattr(fp8, name) for name in fused_write)
+    assert all(getattr(fp8, name) for name in FAST_PATHS if name not in fused_write)
+    flash = kernel_policy("cuda", torch.bfloat16, "flash_attn")  # the write inside the decode: Triton's kernel only
+    assert flash.fused_qk_norm_rope and not flash.rope_in_decode
     with pytest.raises(AttributeError):
         policy.one_row_gemv = False  # frozen: decided once
 
@@ -163,16 +174,23 @@ def run_steps(model: Qwen3ForCausalLM, steps, block_size: int = 4) -> list[torch
     return outs
 
 
-def test_the_gpu_policy_gives_the_reference_numbers_through_the_interpreted_kernels():
+def test_the_gpu_policy_gives_the_reference_numbers_through_the_interpreted_kernels(monkeypatch):
     """Every GPU fast path, taken by the GPU's policy (on a CPU, Triton interpreted): a mixed prefill step of two
-    sequences, then decode steps of one token (one-row `gemv`, norms in the products, the fused K/V write)."""
+    sequences, then decode steps of one token (one-row `gemv`, norms in the products, the K/V write in the decode
+    kernel) and of both sequences."""
+    from minivllm.kernels import rope_decode
+
+    calls = []
+    fused = rope_decode.rope_decode_attention
+    monkeypatch.setattr(rope_decode, "rope_decode_attention", lambda *a: calls.append(a[0].shape[0]) or fused(*a))
     torch.manual_seed(1)
     tables = [[3, 0], [5, 1]]
-    ids = torch.randint(0, 96, (9,))
+    ids = torch.randint(0, 96, (11,))
     steps = [
         (ids[:7], torch.cat([torch.arange(5), torch.arange(2)]), [5, 2], [5, 2], tables),  # two prompts
         (ids[7:8], torch.tensor([5]), [1], [6], tables[:1]),  # one token: the one-row paths
         (ids[8:9], torch.tensor([2]), [1], [3], tables[1:]),
+        (ids[9:11], torch.tensor([6, 3]), [1, 1], [7, 4], tables),  # a decode step of both
     ]
     outs = {}
     for name, policy in [
@@ -185,6 +203,7 @@ def test_the_gpu_policy_gives_the_reference_numbers_through_the_interpreted_kern
     for got, want in zip(outs["gpu"][0], outs["reference"][0]):
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(outs["gpu"][1], outs["reference"][1], atol=1e-5, rtol=1e-5)
+    assert calls == [1, 1, 1, 1, 2, 2]  # each decode step, in both layers, took the K/V write in the decode kernel
 
 
 def test_the_runner_hands_the_model_its_engine_policy():

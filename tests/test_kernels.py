@@ -56,6 +56,7 @@ from minivllm.kernels.paged_prefill import (
 )
 from minivllm.kernels.qk_norm_rope import qk_norm_rope_store  # noqa: E402
 from minivllm.kernels.reference import paged_attention_ref, store_kvcache_ref, varlen_attention_ref  # noqa: E402
+from minivllm.kernels.rope_decode import rope_decode_attention  # noqa: E402
 from minivllm.kernels.store_kvcache import store_kvcache  # noqa: E402
 from minivllm.layers.attention import AttentionMetadata  # noqa: E402
 
@@ -760,6 +761,82 @@ def test_qk_norm_rope_store_rejects_mismatches():
         call(torch.zeros(3, 8 * 12, device=DEVICE), dim=12)
     with pytest.raises(ValueError, match="do not fit"):
         call(torch.zeros(3, 8 * 16, device=DEVICE, dtype=torch.float16))
+
+
+def check_rope_decode(dtype, heads, kv_heads, dim, norm, page=4, lens=(7, 5, 1, 0, 13), device=DEVICE, tol=2e-5):
+    """`rope_decode_attention` against the pair it replaces (`qk_norm_rope_store`, then `paged_decode_attention`) on
+    copies of one cache: the output, the keys written, the values bit for bit. A context of 0 is a padding row."""
+    from minivllm.layers.rotary_embedding import get_rope
+
+    g = torch.Generator().manual_seed(heads * dim + page)
+    width = max(-(-n // page) for n in lens)
+    blocks = torch.randperm(len(lens) * width, generator=g).view(len(lens), width).to(torch.int32)
+    tables = torch.where(torch.arange(width)[None, :] * page < torch.tensor(lens)[:, None], blocks, -1)
+    slots = [int(tables[i, (n - 1) // page]) * page + (n - 1) % page if n else -1 for i, n in enumerate(lens)]
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
+    caches = [rand(len(lens) * width, page, kv_heads, dim)] * 2 + [rand(len(lens) * width, page, kv_heads, dim)] * 2
+    kc_pair, kc_one, vc_pair, vc_one = (c.clone() for c in caches)
+    weights = (rand(dim) * 0.2 + 1, rand(dim) * 0.2 + 1, 1e-6) if norm else (None, None, 0.0)
+    rope = get_rope(dim, dim, 4096, 1e6).to(device)
+    qkv = rand(len(lens), (heads + 2 * kv_heads) * dim)
+    pos = torch.tensor([max(n - 1, 0) for n in lens], device=device)
+    slots_t, lens_t = torch.tensor(slots, device=device), torch.tensor(lens, dtype=torch.int32, device=device)
+    tables = tables.to(device)
+    q = qk_norm_rope_store(qkv, heads, kv_heads, dim, *weights, rope.cos_sin_cache, pos, slots_t, kc_pair, vc_pair)
+    want = paged_decode_attention(q, kc_pair, vc_pair, lens_t, tables, dim**-0.5)
+    got = rope_decode_attention(
+        qkv,
+        (heads, kv_heads, dim),
+        weights,
+        rope.cos_sin_cache,
+        pos,
+        slots_t,
+        kc_one,
+        vc_one,
+        lens_t,
+        tables,
+        dim**-0.5,
+    )
+    assert not torch.equal(kc_pair, caches[0])  # the pair wrote keys: the check below compares something
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(kc_one, kc_pair, atol=tol, rtol=tol)
+    assert torch.equal(vc_one, vc_pair)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,norm,page",
+    [(4, 2, 16, True, 4), (3, 1, 32, False, 16), (16, 8, 128, True, 16), (4, 2, 8, True, 4)],
+)
+def test_rope_decode_attention_matches_the_pair_it_replaces(heads, kv_heads, dim, norm, page):
+    check_rope_decode(torch.float32, heads, kv_heads, dim, norm, page)
+
+
+def test_rope_decode_attention_half_precision():
+    check_rope_decode(torch.float16, 4, 2, 16, True, tol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("batch", [1, 8, 32, 64])  # narrow tiles up to 32 sequences, the plain ones past
+def test_rope_decode_attention_bfloat16_on_gpu(batch):
+    lens = tuple(int(n) for n in torch.randint(1, 3000, (batch,), generator=torch.Generator().manual_seed(batch)))
+    check_rope_decode(torch.bfloat16, 16, 8, 128, True, page=16, lens=lens + (0,), tol=2e-2)
+
+
+def test_rope_decode_attention_rejects_mismatches():
+    cache = torch.zeros(2, 4, 2, 16, device=DEVICE)
+    table, pos, slots = torch.zeros(64, 16, device=DEVICE), *(torch.zeros(3, dtype=torch.long, device=DEVICE),) * 2
+    lens, tables = torch.ones(3, dtype=torch.int32, device=DEVICE), torch.zeros(3, 1, dtype=torch.int32, device=DEVICE)
+
+    def call(qkv, lens=lens, tables=tables):
+        return rope_decode_attention(
+            qkv, (4, 2, 16), (None, None, 0.0), table, pos, slots, cache, cache.clone(), lens, tables, 0.25
+        )
+
+    with pytest.raises(ValueError, match="qkv must be"):
+        call(torch.zeros(3, 100, device=DEVICE))
+    with pytest.raises(ValueError, match="one row per sequence"):
+        call(torch.zeros(3, 8 * 16, device=DEVICE), lens=lens[:2])
 
 
 # --- one row's products (gemv) and the MLP's activation (silu_mul), notebook 06's last section ---

@@ -55,7 +55,7 @@ SCRIPT = textwrap.dedent("""
     asyncio.run(main())
     assert "triton" not in sys.modules and not any(m.startswith("minivllm.kernels.") and m.split(".")[-1] in
         ("common", "cascade", "fused_moe", "paged_decode", "paged_prefill", "store_kvcache", "gemv", "activation",
-         "qk_norm_rope") for m in sys.modules), sorted(m for m in sys.modules if "kernels" in m)
+         "qk_norm_rope", "rope_decode") for m in sys.modules), sorted(m for m in sys.modules if "kernels" in m)
     print("ok")
 """)
 

@@ -138,28 +138,6 @@ def test_more_rows_start_early_in_a_pdl_tree(variant_tree, tmp_path):
     assert run_in_tree(tree, script).strip() == "16"
 
 
-def test_small_decode_tiles_take_twice_the_splits(variant_tree, tmp_path):
-    tree = variant_tree.make_tree(tmp_path / "v", small_decode_tiles=32)
-    (tree / "minivllm/data").symlink_to(ROOT / "minivllm/data")
-    assert json.loads((tree / "variant.json").read_text())["small_decode_tiles"] == 32
-    script = (
-        "from minivllm.kernels.decode_plan import choose_num_splits\n"
-        "print(choose_num_splits(8, 8, 4096, 16, 132, 8), choose_num_splits(32, 8, 4096, 16, 132, 8))\n"
-        "print(choose_num_splits(8, 8, 4096, 64, 132))\n"
-    )
-    lines = run_in_tree(tree, script).splitlines()
-    assert lines == ["16 4", "8"]  # the sweep's fastest splits at batches 8 and 32; the engine's own rule unchanged
-
-
-def test_the_rope_decode_edit_applies_and_the_tree_runs_on_a_cpu(variant_tree, tmp_path):
-    tree = variant_tree.make_tree(tmp_path / "v", small_decode_tiles=32, rope_decode=256)
-    assert json.loads((tree / "variant.json").read_text())["rope_decode"] == 256
-    qwen3 = (tree / "minivllm/models/qwen3.py").read_text()
-    assert "qkv.shape[0] <= 256" in qwen3 and "if batch <= 32:" in qwen3
-    out = run_in_tree(tree, "import minivllm.models.qwen3, rope_decode_probe\nprint(rope_decode_probe.__file__)\n")
-    assert out.strip() == str(tree / "rope_decode_probe.py")  # (the edit applies on CUDA only: here, the imports)
-
-
 def test_tree_agree_finds_the_first_differing_token():
     agree = load_tool("tree_agree")
     assert agree.first_difference([1, 2, 3], [1, 2, 3]) is None

@@ -7,12 +7,12 @@ issue 52's small batches measured in the engine beside main, in one call, before
     python tools/variant_tree.py DEST --fused-gate-up 64   # 2 to 64 rows: gate/up product and SiLU in one kernel
     python tools/variant_tree.py DEST --tuned-few-rows PROBE.json  # the package's few-row products, the probe's tiles
     python tools/variant_tree.py DEST --pdl-max-rows 16   # every Triton kernel of a step of up to 16 rows starts early
-    python tools/variant_tree.py DEST --rope-decode 256   # up to 256 rows: q/k norms, rotation, K/V write in decode
     python tools/variant_tree.py DEST --src OTHER_TREE ...  # start from another tree (default: this repository)
 
 The edits, each on a CUDA device only (a CPU run is the package's):
-- `--decode-launch[-from]`: the decode kernel of a bfloat16 cache without a shared prefix takes this tile, warps,
-  stages and splits at these batch sizes (`tools/decode_layers_sweep.py` writes SWEEP.json).
+- `--decode-launch[-from]`: the decode kernel of a bfloat16 cache without a shared prefix (with the K/V write inside
+  too, `rope_decode_attention`) takes this tile, warps, stages and splits at these batch sizes
+  (`tools/decode_layers_sweep.py` writes SWEEP.json).
 - `--few-row N`: products of 2 to N rows (not the LM head) take `tools/few_row_bench.py`'s kernels launched early:
   `dot` in 64 x 256 tiles where K <= 1,024 (qkv, gate/up), split-K in 8 otherwise (o, down), the fastest at 8 rows
   on an H100 (figures/52_few_row_splitk_h100.json); and every kernel of the package launches early up to N rows
@@ -28,13 +28,6 @@ The edits, each on a CUDA device only (a CPU run is the package's):
 - `--pdl-max-rows N`: every kernel of the package that can start early (`use_pdl`: the norms, the K/V write, the
   decode kernel and its merge) does so in steps of up to N rows, not only one, so that each few-row product's weights
   load while the kernel ahead runs and that kernel's own wait overlaps the one before it.
-- `--small-decode-tiles N`: decode steps of up to N sequences (16-bit cache, no shared prefix) in 16-position tiles,
-  2 warps, 2 stages, up to 8 programs an SM (twice the splits): the fastest at batches 8 and 32 in
-  `tools/decode_layers_sweep.py` on an H100 (figures/52_decode_layers_sweep_small_tiles_h100.json).
-- `--rope-decode N`: a Qwen3 decode step of up to N sequences (16-bit cache, the Triton backend, no shared prefix, not
-  a verify step) runs `tools/rope_decode_probe.py`'s fused kernel: each decode program norms and rotates its own
-  query heads from the packed qkv row, and the one that reads the new position writes its K and V first; no
-  `qk_norm_rope_store` kernel. With `--small-decode-tiles M`, steps of up to M sequences take those tiles here too.
 The tools' modules are copied to DEST's top level, beside `minivllm`, where the edited package imports them.
 """
 
@@ -67,7 +60,7 @@ def best_launches(sweep: dict) -> dict[int, list[int]]:
 
 
 def edit_decode_launch(tree: Path, launches: dict[int, list[int]]) -> None:
-    old = "    block_n = block_n or (DECODE_BLOCK_N_8BIT if eight_bit else DECODE_BLOCK_N)\n"
+    old = "    block_n, num_stages = block_n or tiles.block_n, num_stages or tiles.num_stages\n"
     new = (
         f"    trial = {launches!r}.get(batch) if q.is_cuda and not eight_bit and not cascade else None\n"
         "    if trial:  # (tools/variant_tree.py --decode-launch)\n"
@@ -75,58 +68,14 @@ def edit_decode_launch(tree: Path, launches: dict[int, list[int]]) -> None:
         "        num_stages, num_splits = num_stages or trial[2], num_splits or trial[3]\n"
     )
     replace_once(tree / "minivllm/kernels/paged_decode.py", old, new + old)
-
-
-def edit_small_decode_tiles(tree: Path, batch: int) -> None:
-    """Decode steps of up to `batch` sequences (16-bit cache, no shared prefix) in 16-position tiles, 2 warps, 2 stages,
-    and as many warps an SM as the engine's plan: 8 programs an SM instead of 4, so twice the splits."""
-    plan = tree / "minivllm/kernels/decode_plan.py"
-    old = "def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, sms: int) -> int:\n"
+    fused = tree / "minivllm/kernels/rope_decode.py"  # a decode step with the K/V write inside: the same launches
+    old = "    tiles = decode_tiles(batch, False, True, qkv.is_cuda)\n"
     new = (
-        "def choose_num_splits(\n"
-        "    batch: int, num_kv_heads: int, max_context: int, block_n: int, sms: int, per_sm: int = 4\n"
-        ") -> int:\n"
+        f"    trial = {launches!r}.get(batch) if qkv.is_cuda else None  # (tools/variant_tree.py --decode-launch)\n"
+        "    tiles = type(tiles)(*trial[:3], tiles.per_sm) if trial else tiles\n"
     )
-    replace_once(plan, old, new)
-    replace_once(plan, "    wanted = 4 * sms // pairs", "    wanted = per_sm * sms // pairs")
-    old = "    block_n = block_n or (DECODE_BLOCK_N_8BIT if eight_bit else DECODE_BLOCK_N)\n"
-    new = (
-        f"    if batch <= {batch} and q.is_cuda and not eight_bit and not cascade:  # (tools/variant_tree.py)\n"
-        "        block_n, num_warps, num_stages = block_n or 16, num_warps or 2, num_stages or 2\n"
-        "        context = block_tables.shape[1] * page_size\n"
-        "        sms = num_sms(q.device)\n"
-        "        num_splits = num_splits or choose_num_splits(batch, num_kv_heads, context, block_n, sms, 8)\n"
-    )
-    replace_once(tree / "minivllm/kernels/paged_decode.py", old, new + old)
-
-
-def edit_rope_decode(tree: Path, rows: int, small_rows: int) -> None:
-    shutil.copy(TOOLS / "rope_decode_probe.py", tree / "rope_decode_probe.py")
-    old = "        if (q := self._one_kernel(qkv, positions, meta)) is not None:"
-    new = (
-        "        cache = self.attn.k_cache\n"
-        "        fused = qkv.is_cuda and meta is not None and cache is not None and meta.is_decode_only\n"
-        "        fused = fused and not meta.verifies and meta.shared_prefix_len is None and cache.dtype == qkv.dtype\n"
-        "        fused = fused and self.policy.fused_qk_norm_rope and self.attn.backend.name == 'triton'\n"
-        f"        if fused and self.rotary_emb.rotary_dim == self.head_dim and qkv.shape[0] <= {rows}:\n"
-        "            import rope_decode_probe  # (tools/variant_tree.py --rope-decode)\n"
-        "            from minivllm.kernels.decode_plan import choose_num_splits, num_sms\n\n"
-        "            tiles, batch = {}, qkv.shape[0]\n"
-        f"            if batch <= {small_rows}:\n"
-        "                context, sms = meta.block_tables.shape[1] * cache.shape[1], num_sms(qkv.device)\n"
-        "                splits = choose_num_splits(batch, self.num_kv_heads, context, 16, sms, 8)\n"
-        "                tiles = dict(block_n=16, num_warps=2, num_stages=2, num_splits=splits)\n"
-        "            norms = (None, None, 0.0)\n"
-        "            if self.qk_norm:\n"
-        "                norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)\n"
-        "            heads = (self.num_heads, self.num_kv_heads, self.head_dim)\n"
-        "            out = rope_decode_probe.rope_decode_attention(\n"
-        "                qkv, heads, norms, self.rotary_emb.cos_sin_cache, positions, meta.slot_mapping, cache,\n"
-        "                self.attn.v_cache, meta.context_lens, meta.block_tables, self.attn.scale, **tiles\n"
-        "            )\n"
-        "            return self.o_proj(out.flatten(1, -1))\n"
-    )
-    replace_once(tree / "minivllm/models/qwen3.py", old, new + old)
+    replace_once(fused, old, old + new)
+    replace_once(fused, "tiles.block_n, None, tiles.per_sm)", "tiles.block_n, trial and trial[3], tiles.per_sm)")
 
 
 def edit_pdl_max_rows(tree: Path, rows: int) -> None:
@@ -228,8 +177,6 @@ def make_tree(
     tuned_few_rows: dict | None = None,
     few_rows_max: int = 16,
     pdl_max_rows: int = 0,
-    small_decode_tiles: int = 0,
-    rope_decode: int = 0,
 ) -> Path:
     "Copy `src`'s package (without the embedded tiny model's data) to `dest` and apply the chosen edits."
     shutil.rmtree(dest, ignore_errors=True)
@@ -244,14 +191,8 @@ def make_tree(
         edit_tuned_few_rows(dest, tuned_few_rows, few_rows_max)
     if pdl_max_rows:
         edit_pdl_max_rows(dest, pdl_max_rows)
-    if small_decode_tiles:
-        edit_small_decode_tiles(dest, small_decode_tiles)
-    if rope_decode:
-        edit_rope_decode(dest, rope_decode, small_decode_tiles)
     edits = dict(decode_launch=launches or {}, few_row=few_row, fused_gate_up=fused_gate_up, src=str(src))
     edits["pdl_max_rows"] = pdl_max_rows
-    edits["small_decode_tiles"] = small_decode_tiles
-    edits["rope_decode"] = rope_decode
     if tuned_few_rows:
         edits["tuned_few_rows"] = {f"{bm} {shape}": cfg for bm, t in tuned_few_rows.items() for shape, cfg in t.items()}
         edits["few_rows_max"] = few_rows_max
@@ -278,8 +219,6 @@ def main() -> None:
     ap.add_argument("--tuned-few-rows", type=Path, action="append", default=[], metavar="PROBE.json")
     ap.add_argument("--few-rows-max", type=int, default=16, metavar="N")
     ap.add_argument("--pdl-max-rows", type=int, default=0, metavar="N")
-    ap.add_argument("--small-decode-tiles", type=int, default=0, metavar="N")
-    ap.add_argument("--rope-decode", type=int, default=0, metavar="N")
     args = ap.parse_args()
     launches = best_launches(json.loads(args.decode_launch_from.read_text())) if args.decode_launch_from else {}
     launches.update(dict(args.decode_launch))
@@ -293,8 +232,6 @@ def main() -> None:
         tiles,
         args.few_rows_max,
         args.pdl_max_rows,
-        args.small_decode_tiles,
-        args.rope_decode,
     )
     print(f"{tree}: {(tree / 'variant.json').read_text()}")
 

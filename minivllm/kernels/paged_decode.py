@@ -25,6 +25,7 @@ from minivllm.kernels.decode_plan import (  # noqa: F401 (re-exported: the engin
     MIN_TILES_PER_SPLIT,
     DecodeLaunch,
     choose_num_splits,
+    decode_tiles,
     num_sms,
     plan_decode,
 )
@@ -243,11 +244,11 @@ def paged_decode_attention(
     if batch == 0:
         return out
     eight_bit, cascade = k_cache.element_size() == 1, shared_prefix_len is not None
-    block_n = block_n or (DECODE_BLOCK_N_8BIT if eight_bit else DECODE_BLOCK_N)
-    num_stages = num_stages or (DECODE_NUM_STAGES_8BIT if eight_bit else DECODE_NUM_STAGES)
+    tiles = decode_tiles(batch, eight_bit, not cascade and cu_seqlens_q is None, q.is_cuda)
+    block_n, num_stages = block_n or tiles.block_n, num_stages or tiles.num_stages
     f16_tiles = eight_bit and q.element_size() == 2 if f16_tiles is None else f16_tiles
     max_context, sms = block_tables.shape[1] * page_size, num_sms(q.device)
-    plan = plan_decode(batch, num_heads, num_kv_heads, max_context, sms, cascade, block_n, num_splits)
+    plan = plan_decode(batch, num_heads, num_kv_heads, max_context, sms, cascade, block_n, num_splits, tiles.per_sm)
     part_out, part_lse = _partial_buffers(q, out, plan, batch)
     log2_scale, constants = scale * math.log2(math.e), _kernel_constants(q, k_cache)
     pdl = use_pdl(q.device, q.shape[0])
@@ -256,7 +257,7 @@ def paged_decode_attention(
     )
     if cascade:
         _launch_shared_prefix(step, shared_prefix_len)
-    _launch_decode(step, shared_prefix_len, cu_seqlens_q, block_n, num_warps or DECODE_NUM_WARPS, num_stages, f16_tiles)
+    _launch_decode(step, shared_prefix_len, cu_seqlens_q, block_n, num_warps or tiles.num_warps, num_stages, f16_tiles)
     if plan.use_splits:
         _launch_merge(step, cu_seqlens_q)
     return out

@@ -25,6 +25,7 @@ class KernelPolicy:
     norms_in_products: bool = False  # a one-row decoder layer's norms inside the products after them (`norm_gemv`)
     few_row_products: bool = False  # 2 to 16 rows' products by `few_rows_mm`, norms and activation inside (06)
     fused_qk_norm_rope: bool = False  # q/k norms, rotation and the K/V write in one kernel (`qk_norm_rope_store`)
+    rope_in_decode: bool = False  # ... and in a decode step, inside the decode kernel (`rope_decode_attention`)
     triton_activation: bool = False  # `SiluAndMul` by notebook 06's `silu_mul`
     fused_moe: bool = False  # a mixture's experts by notebook 06's `fused_moe`
 
@@ -65,7 +66,8 @@ def kernel_policy(
 ) -> KernelPolicy:
     """The kernels of an engine on `device` computing in `dtype`: the attention backends named (`Config` resolved the
     names; none: `torch`), and on a GPU every fast path of notebook 06, the fused K/V write only into a cache of the
-    model's dtype (an 8-bit cache is written by the store, which rounds to 8 bits)."""
+    model's dtype (an 8-bit cache is written by the store, which rounds to 8 bits), and inside the decode kernel only
+    where that kernel is notebook 06's (the `triton` decode backend)."""
     gpu, decode = torch.device(device).type == "cuda", decode or "torch"
     same_cache_dtype = cache_dtype is None or cache_dtype == dtype
     return KernelPolicy(
@@ -75,6 +77,7 @@ def kernel_policy(
         norms_in_products=gpu,
         few_row_products=gpu and FEW_ROWS and starts_kernels_early(device),
         fused_qk_norm_rope=gpu and same_cache_dtype,
+        rope_in_decode=gpu and same_cache_dtype and decode == "triton",
         triton_activation=gpu,
         fused_moe=gpu,
     )

@@ -75,8 +75,8 @@ class Qwen3Attention(UsesKernelPolicy, nn.Module):
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
         "Everything after the QKV product (which the decoder layer may run itself, with its norm: below)."
-        if (q := self._one_kernel(qkv, positions, meta)) is not None:  # a GPU step: norms, rotation, KV write
-            return self.o_proj(self.attn(q, None, None, meta).flatten(1, -1))
+        if (out := self._one_kernel(qkv, positions, meta)) is not None:  # a GPU step: norms, rotation, KV write
+            return self.o_proj(out.flatten(1, -1))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -88,17 +88,25 @@ class Qwen3Attention(UsesKernelPolicy, nn.Module):
     def _one_kernel(
         self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None
     ) -> torch.Tensor | None:
-        "The queries, with the K/V written, by notebook 06's kernel: where the policy says so, and the cache fits."
+        """The attention's output, the norms, rotation and K/V write done by notebook 06's kernels where the policy says
+        so and the cache fits: inside the decode kernel in a plain decode step, else `qk_norm_rope_store` before it."""
         cache, dim = self.attn.k_cache, self.head_dim
         fits = cache is not None and cache.dtype == qkv.dtype and self.rotary_emb.rotary_dim == dim
         if not self.policy.fused_qk_norm_rope or not fits or dim & (dim - 1):
             return None
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+        heads, caches = (self.num_heads, self.num_kv_heads, dim), (cache, self.attn.v_cache)
+        table = self.rotary_emb.cos_sin_cache
+        plain_decode = meta.is_decode_only and not meta.verifies and meta.shared_prefix_len is None
+        if self.policy.rope_in_decode and plain_decode and dim >= 16:  # (no shared prefix, no guesses to verify)
+            from minivllm.kernels.rope_decode import rope_decode_attention
+
+            where = (meta.slot_mapping, *caches, meta.context_lens, meta.block_tables)
+            return rope_decode_attention(qkv, heads, norms, table, positions, *where, self.attn.scale)
         from minivllm.kernels.qk_norm_rope import qk_norm_rope_store
 
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-        heads = (self.num_heads, self.num_kv_heads, dim)
-        where = (meta.slot_mapping, cache, self.attn.v_cache)  # the K/V go to these slots of the cache
-        return qk_norm_rope_store(qkv, *heads, *norms, self.rotary_emb.cos_sin_cache, positions, *where)
+        q = qk_norm_rope_store(qkv, *heads, *norms, table, positions, meta.slot_mapping, *caches)
+        return self.attn(q, None, None, meta)  # (the K/V are in the cache: `Attention` only attends)
 
 
 # %% ../../notebooks/08_qwen3.ipynb #a9763a8a
