@@ -210,11 +210,16 @@ return Array.from(node.querySelectorAll('.jp-OutputArea-output img, .jp-Rendered
 """
 
 
-# the notebook at arguments[0] is the open one, loaded and drawn
+# the notebook at arguments[0] is loaded, drawn and the current tab (made so if a tab restored later took the focus)
 LOADED_PATH = """
-const panel = window.jupyterapp.shell.currentWidget;
-return Boolean(panel && panel.context && panel.context.path === arguments[0] && panel.context.isReady
-  && panel.content && panel.content.widgets.length);
+const shell = window.jupyterapp.shell;
+for (const panel of shell.widgets('main')) {
+  if (!panel.context || panel.context.path !== arguments[0]) continue;
+  if (!panel.context.isReady || !panel.content || !panel.content.widgets.length) return false;
+  if (shell.currentWidget !== panel) shell.activateById(panel.id);
+  return shell.currentWidget === panel;
+}
+return false;
 """
 
 
@@ -247,11 +252,13 @@ const app = window.jupyterapp;
 return Boolean(app && app.commands.hasCommand('docmanager:open') && app.shell.isRestored !== false);
 """
 
-# open a notebook in the page as "Notebook (no kernel)" does (no page load, no kernel started)
+# open a notebook in the page as "Notebook (no kernel)" does (no page load, no kernel started), once the layout is
+# restored: a tab the restore opens afterwards would otherwise take the focus from it
 OPEN_STORED = """
 const [path, done] = arguments;
-window.jupyterapp.commands.execute('docmanager:open',
-  {path, factory: 'Notebook', kernelPreference: {shouldStart: false, shouldReuse: false}})
+const app = window.jupyterapp;
+app.restored.then(() => app.commands.execute('docmanager:open',
+  {path, factory: 'Notebook', kernelPreference: {shouldStart: false, shouldReuse: false}}))
   .then(() => done(null), e => done(String(e)));
 """
 
