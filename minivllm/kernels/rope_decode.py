@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import pdl_launch_next, pdl_wait, use_pdl
+from .common import head_ptrs, pdl_launch_next, pdl_wait, use_pdl
 from .decode_plan import DecodeTiles, decode_tiles, num_sms, plan_decode
 from .paged_decode import _check_decode, _DecodeStep, _kernel_constants, _launch_merge, _partial_buffers
 from .paged_decode_kernel import _decode_tiles, _split_tiles
@@ -151,8 +151,7 @@ def _rope_decode_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
     else:
-        ptrs = out_ptr + (seq * so[0] + heads * so[1])[:, None] + dims[None, :]
-        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(head_ptrs(out_ptr, so, seq, heads, dims), out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 # %% ../../notebooks/deep_dives/06_small_batch_kernels.ipynb #c267323c
