@@ -193,17 +193,32 @@ def test_the_gpu_policy_gives_the_reference_numbers_through_the_interpreted_kern
         (ids[9:11], torch.tensor([6, 3]), [1, 1], [7, 4], tables),  # a decode step of both
     ]
     outs = {}
+    gpu = kernel_policy("cuda", torch.float32, "triton", "triton")
     for name, policy in [
         ("reference", KernelPolicy()),
-        ("gpu", kernel_policy("cuda", torch.float32, "triton", "triton")),
+        ("gpu", gpu),
+        ("gpu, merge in decode", dataclasses.replace(gpu, merge_in_decode=True)),
     ]:
         model = apply_policy(small_qwen3().to(DEVICE), policy)
         with_cache(model, 6, 4)
         outs[name] = run_steps(model, steps), model.model.layers[1].self_attn.attn.k_cache.cpu()
-    for got, want in zip(outs["gpu"][0], outs["reference"][0]):
-        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
-    torch.testing.assert_close(outs["gpu"][1], outs["reference"][1], atol=1e-5, rtol=1e-5)
-    assert calls == [1, 1, 1, 1, 2, 2]  # each decode step, in both layers, took the K/V write in the decode kernel
+    for name in ("gpu", "gpu, merge in decode"):
+        for got, want in zip(outs[name][0], outs["reference"][0]):
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(outs[name][1], outs["reference"][1], atol=1e-5, rtol=1e-5)
+    assert calls == [1, 1, 1, 1, 2, 2] * 2  # each decode step, in both layers, took the K/V write in the decode kernel
+
+
+def test_the_merge_inside_the_decode_kernel_is_a_trial_turned_on_by_its_variable(monkeypatch):
+    "Off unless MINIVLLM_MERGE_IN_DECODE=1 (read at import), and then only where the K/V write is in the decode kernel."
+    from minivllm.layers import kernel_policy as policy_module
+
+    assert not policy_module.MERGE_IN_DECODE and not kernel_policy("cuda", torch.bfloat16, "triton").merge_in_decode
+    monkeypatch.setattr(policy_module, "MERGE_IN_DECODE", True)
+    assert kernel_policy("cuda", torch.bfloat16, "triton").merge_in_decode
+    assert not kernel_policy("cuda", torch.bfloat16, "flash_attn").merge_in_decode
+    assert not kernel_policy("cuda", torch.bfloat16, "triton", cache_dtype=torch.float8_e4m3fn).merge_in_decode
+    assert not kernel_policy("cpu", torch.float32, "triton").merge_in_decode
 
 
 def test_the_runner_hands_the_model_its_engine_policy():

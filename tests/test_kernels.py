@@ -763,7 +763,9 @@ def test_qk_norm_rope_store_rejects_mismatches():
         call(torch.zeros(3, 8 * 16, device=DEVICE, dtype=torch.float16))
 
 
-def check_rope_decode(dtype, heads, kv_heads, dim, norm, page=4, lens=(7, 5, 1, 0, 13), device=DEVICE, tol=2e-5):
+def check_rope_decode(
+    dtype, heads, kv_heads, dim, norm, page=4, lens=(7, 5, 1, 0, 13), device=DEVICE, tol=2e-5, merge_in_kernel=False
+):
     """`rope_decode_attention` against the pair it replaces (`qk_norm_rope_store`, then `paged_decode_attention`) on
     copies of one cache: the output, the keys written, the values bit for bit. A context of 0 is a padding row."""
     from minivllm.layers.rotary_embedding import get_rope
@@ -796,6 +798,7 @@ def check_rope_decode(dtype, heads, kv_heads, dim, norm, page=4, lens=(7, 5, 1, 
         lens_t,
         tables,
         dim**-0.5,
+        merge_in_kernel=merge_in_kernel,
     )
     assert not torch.equal(kc_pair, caches[0])  # the pair wrote keys: the check below compares something
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
@@ -815,12 +818,29 @@ def test_rope_decode_attention_half_precision():
     check_rope_decode(torch.float16, 4, 2, 16, True, tol=2e-2)
 
 
+def test_rope_decode_attention_merges_its_splits_in_the_last_one():
+    """A sequence long enough to split its KV: with `merge_in_kernel`, the split that stores the last part merges them
+    all (no merge kernel), and leaves each pair's counter at zero for the next step: a second step checks the same."""
+    from minivllm.kernels import rope_decode
+    from minivllm.kernels.decode_plan import decode_tiles, num_sms, plan_decode
+
+    tiles = decode_tiles(2, False, True, DEVICE == "cuda")
+    plan = plan_decode(2, 4, 2, 1008, num_sms(torch.device(DEVICE)), False, tiles.block_n, None, tiles.per_sm)
+    assert plan.use_splits and plan.num_splits >= 2
+    check_rope_decode(torch.float32, 4, 2, 16, True, page=16, lens=(1000, 0))  # the merge kernel
+    for _ in range(2):
+        check_rope_decode(torch.float32, 4, 2, 16, True, page=16, lens=(1000, 0), merge_in_kernel=True)
+    buffers = [c for held in rope_decode._SPLIT_COUNTS.values() for c in held]
+    assert buffers and not any(c.any() for c in buffers)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("merge_in_kernel", [False, True])
 @pytest.mark.parametrize("batch", [1, 8, 32, 64])  # narrow tiles up to 32 sequences, the plain ones past
-def test_rope_decode_attention_bfloat16_on_gpu(batch):
+def test_rope_decode_attention_bfloat16_on_gpu(batch, merge_in_kernel):
     lens = tuple(int(n) for n in torch.randint(1, 3000, (batch,), generator=torch.Generator().manual_seed(batch)))
-    check_rope_decode(torch.bfloat16, 16, 8, 128, True, page=16, lens=lens + (0,), tol=2e-2)
+    check_rope_decode(torch.bfloat16, 16, 8, 128, True, 16, lens + (0,), tol=2e-2, merge_in_kernel=merge_in_kernel)
 
 
 def test_rope_decode_attention_rejects_mismatches():

@@ -301,7 +301,7 @@ def _persistent_decode_kernel(
                     m0 = tl.full([GP], float("-inf"), tl.float32)
                     l0 = tl.zeros([GP], tl.float32)
                     a0 = tl.zeros([GP, D], tl.float32)
-                    m0, l0, a0 = _fold_parts(m0, l0, a0, parts_o, parts_l, first, S, dims, hmask, D)
+                    m0, l0, a0 = _fold_parts(m0, l0, a0, parts_o, parts_l, first, S, dims, hmask, D, "")
                     l0 = tl.where(l0 > 0, l0, 1.0)
                     tl.store(attn, (a0 / l0[:, None]).to(attn_ptr.dtype.element_ty), mask=hmask[:, None])
         if PRELOAD:

@@ -136,7 +136,7 @@ def _paged_decode_kernel(
     part = (seq * NUM_Q_HEADS + heads) * num_parts  # each row's first partial slot
     if FOLD_PREFIX:  # the shared prefix's pieces, finished by the kernel launched before: no merge kernel (cascade)
         m_i, l_i, acc = _fold_parts(
-            m_i, l_i, acc, part_out_ptr, part_lse_ptr, part, num_parts - 1, dims, row_mask, HEAD_DIM
+            m_i, l_i, acc, part_out_ptr, part_lse_ptr, part, num_parts - 1, dims, row_mask, HEAD_DIM, ""
         )
     l_i = tl.where(l_i > 0, l_i, 1.0)  # nothing read (an empty split, a padding row): out 0, lse -inf
     out = acc / l_i[:, None]

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from .common import head_ptrs, pdl_launch_next, pdl_wait, use_pdl
 from .decode_plan import DecodeTiles, decode_tiles, num_sms, plan_decode
+from .merge_splits import _fold_parts
 from .paged_decode import _check_decode, _DecodeStep, _kernel_constants, _launch_merge, _partial_buffers
 from .paged_decode_kernel import _decode_tiles, _split_tiles
 from .qk_norm_rope import _check_fused_inputs
@@ -80,12 +81,34 @@ def _write_new_kv(
 __all__ = ["rope_decode_attention"]
 
 
+# %% ../../notebooks/deep_dives/06_small_batch_kernels.ipynb #b2e1d4f3
+@triton.jit
+def _merge_if_last(out_at, parts, count_ptr, dims, rows_mask, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Count this split's part (`parts`: outputs, lses, each row's first slot, splits) as stored at `count_ptr`; the
+    split that counts the last one merges all of them into `out_at` (pointers, mask) and zeroes the counter."""
+    part_out_ptr, part_lse_ptr, first, num_splits = parts
+    tl.debug_barrier()  # all of this program's stores are issued before the count says so
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == num_splits - 1:
+        tl.store(count_ptr, 0)  # zero again for the next step (and the next replay of a CUDA graph)
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, dims.shape[0]], tl.float32)
+        m_i, l_i, acc = _fold_parts(
+            m_i, l_i, acc, part_out_ptr, part_lse_ptr, first, num_splits, dims, rows_mask, HEAD_DIM, ".cg"
+        )
+        out_ptrs, out_mask = out_at
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=out_mask)
+
+
 # %% ../../notebooks/deep_dives/06_small_batch_kernels.ipynb #937b72bb
 @triton.jit(do_not_specialize=["num_splits"])
 def _rope_decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    count_ptr,
     qkv_ptr,
     q_w_ptr,
     k_w_ptr,
@@ -114,6 +137,7 @@ def _rope_decode_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_SPLITS: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr,
     HAS_NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -146,15 +170,32 @@ def _rope_decode_kernel(
     l_i = tl.where(l_i > 0, l_i, 1.0)  # nothing read (an empty split, a padding row): out 0, lse -inf
     out = acc / l_i[:, None]
     out_mask = row_mask[:, None] & dim_mask[None, :]
-    if USE_SPLITS:
-        part = (seq * NUM_Q_HEADS + heads) * num_splits + split
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
-        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
+    out_at = (head_ptrs(out_ptr, so, seq, heads, dims), out_mask)
+    if USE_SPLITS:  # this split's part (and with MERGE_IN_KERNEL, the merge by the split that stores the last one)
+        first = (seq * NUM_Q_HEADS + heads) * num_splits
+        tl.store(part_out_ptr + (first + split)[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
+        tl.store(part_lse_ptr + first + split, m_i + tl.log2(l_i), mask=row_mask)
+        if MERGE_IN_KERNEL:
+            parts, count_at = (part_out_ptr, part_lse_ptr, first, num_splits), count_ptr + seq * NUM_KV_HEADS + kv_head
+            _merge_if_last(out_at, parts, count_at, dims, row_mask, GROUP_PAD, HEAD_DIM)
     else:
-        tl.store(head_ptrs(out_ptr, so, seq, heads, dims), out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_at[0], out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 # %% ../../notebooks/deep_dives/06_small_batch_kernels.ipynb #c267323c
+_SPLIT_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _split_counts(device: torch.device, pairs: int) -> torch.Tensor:
+    """Zeroed int32 counters of at least `pairs` (sequence, KV head) pairs, one buffer per device for every step,
+    layer and CUDA graph: the last split of a pair zeroes its counter again (kernels on a device run in stream order).
+    A larger buffer leaves the smaller alive, since graphs captured before hold its address."""
+    held = _SPLIT_COUNTS.setdefault(device, [])
+    if not held or held[-1].numel() < pairs:
+        held.append(torch.zeros(max(pairs, 1024), dtype=torch.int32, device=device))
+    return held[-1]
+
+
 def _launch_rope_decode(
     step: _DecodeStep,
     qkv: torch.Tensor,
@@ -163,13 +204,16 @@ def _launch_rope_decode(
     positions: torch.Tensor,
     slot_mapping: torch.Tensor,
     tiles: DecodeTiles,
+    counts: torch.Tensor | None,
 ) -> None:
-    "A program per (KV head, sequence, split), as the decode kernel's: the output, or the split's partial result."
+    """A program per (KV head, sequence, split), as the decode kernel's: the output, or the split's part (and, given
+    the pairs' `counts`, the merge)."""
     out, plan, (q_weight, k_weight, eps) = step.out, step.plan, norms
     _rope_decode_kernel[(step.k_cache.shape[2], step.context_lens.shape[0], plan.num_splits)](
         out,
         step.part_out,
         step.part_lse,
+        out if counts is None else counts,
         qkv,
         qkv if q_weight is None else q_weight,
         qkv if k_weight is None else k_weight,
@@ -193,6 +237,7 @@ def _launch_rope_decode(
         GROUP_PAD=max(16, plan.group_pad),
         BLOCK_N=tiles.block_n,
         USE_SPLITS=plan.use_splits,
+        MERGE_IN_KERNEL=counts is not None,
         HAS_NORM=q_weight is not None,
         PDL=step.pdl,
         **step.constants,
@@ -215,11 +260,12 @@ def rope_decode_attention(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    merge_in_kernel: bool = False,
 ) -> torch.Tensor:
     """`qk_norm_rope_store` then `paged_decode_attention`, for a decode step (a token per sequence, no shared prefix),
-    in one kernel (and the merge): `qkv` [B, (heads + 2 kv_heads) * head_dim] packed, `heads` (heads, kv_heads,
-    head_dim), `norms` (q weight, k weight, eps; weights None: no norms). Returns the attention's output
-    [B, heads, head_dim]; the new keys and values are in the cache at `slot_mapping`."""
+    in one kernel (and the merge, inside it with `merge_in_kernel`): `qkv` [B, (heads + 2 kv_heads) * head_dim] packed,
+    `heads` (heads, kv_heads, head_dim), `norms` (q weight, k weight, eps; weights None: no norms). Returns the
+    attention's output [B, heads, head_dim]; the new keys and values are in the cache at `slot_mapping`."""
     num_heads, num_kv_heads, head_dim = heads
     _check_fused_inputs(qkv, heads, cos_sin_cache, positions, slot_mapping, k_cache, v_cache)
     out = qkv.new_empty(qkv.shape[0], num_heads, head_dim)
@@ -235,7 +281,9 @@ def rope_decode_attention(
     step = _DecodeStep(
         out, k_cache, v_cache, context_lens, block_tables, out, part_out, part_lse, plan, log2_scale, constants, pdl
     )
-    _launch_rope_decode(step, qkv, norms, cos_sin_cache, positions, slot_mapping, tiles)
-    if plan.use_splits:
+    in_kernel = merge_in_kernel and plan.use_splits
+    counts = _split_counts(qkv.device, batch * num_kv_heads) if in_kernel else None
+    _launch_rope_decode(step, qkv, norms, cos_sin_cache, positions, slot_mapping, tiles, counts)
+    if plan.use_splits and not in_kernel:
         _launch_merge(step, None)
     return out

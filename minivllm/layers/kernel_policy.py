@@ -13,6 +13,7 @@ from .attention_backends.base import AttentionBackend, make_attention_backend
 from .attention_backends.torch_backend import TorchAttentionBackend
 
 FEW_ROWS = os.environ.get("MINIVLLM_FEW_ROWS", "1") != "0"  # few-row products; MINIVLLM_FEW_ROWS=0 turns them off
+MERGE_IN_DECODE = os.environ.get("MINIVLLM_MERGE_IN_DECODE", "0") == "1"  # a trial until measured on a GPU: off
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class KernelPolicy:
     few_row_products: bool = False  # 2 to 16 rows' products by `few_rows_mm`, norms and activation inside (06)
     fused_qk_norm_rope: bool = False  # q/k norms, rotation and the K/V write in one kernel (`qk_norm_rope_store`)
     rope_in_decode: bool = False  # ... and in a decode step, inside the decode kernel (`rope_decode_attention`)
+    merge_in_decode: bool = False  # ... whose last split of each sequence merges the splits' parts (no merge kernel)
     triton_activation: bool = False  # `SiluAndMul` by notebook 06's `silu_mul`
     fused_moe: bool = False  # a mixture's experts by notebook 06's `fused_moe`
 
@@ -44,7 +46,15 @@ class KernelPolicy:
 
 
 # %% auto #0
-__all__ = ["FEW_ROWS", "KernelPolicy", "starts_kernels_early", "kernel_policy", "UsesKernelPolicy", "apply_policy"]
+__all__ = [
+    "FEW_ROWS",
+    "MERGE_IN_DECODE",
+    "KernelPolicy",
+    "starts_kernels_early",
+    "kernel_policy",
+    "UsesKernelPolicy",
+    "apply_policy",
+]
 
 
 # %% ../../notebooks/deep_dives/08_kernel_policy.ipynb #c2b7d9e1
@@ -78,6 +88,7 @@ def kernel_policy(
         few_row_products=gpu and FEW_ROWS and starts_kernels_early(device),
         fused_qk_norm_rope=gpu and same_cache_dtype,
         rope_in_decode=gpu and same_cache_dtype and decode == "triton",
+        merge_in_decode=gpu and same_cache_dtype and decode == "triton" and MERGE_IN_DECODE,
         triton_activation=gpu,
         fused_moe=gpu,
     )

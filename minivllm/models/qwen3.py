@@ -102,7 +102,8 @@ class Qwen3Attention(UsesKernelPolicy, nn.Module):
             from minivllm.kernels.rope_decode import rope_decode_attention
 
             where = (meta.slot_mapping, *caches, meta.context_lens, meta.block_tables)
-            return rope_decode_attention(qkv, heads, norms, table, positions, *where, self.attn.scale)
+            merge = self.policy.merge_in_decode
+            return rope_decode_attention(qkv, heads, norms, table, positions, *where, self.attn.scale, merge)
         from minivllm.kernels.qk_norm_rope import qk_norm_rope_store
 
         q = qk_norm_rope_store(qkv, *heads, *norms, table, positions, meta.slot_mapping, *caches)
