@@ -81,27 +81,6 @@ def _write_new_kv(
 __all__ = ["rope_decode_attention"]
 
 
-# %% ../../notebooks/deep_dives/06_small_batch_kernels.ipynb #b2e1d4f3
-@triton.jit
-def _merge_if_last(out_at, parts, count_ptr, dims, rows_mask, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Count this split's part (`parts`: outputs, lses, each row's first slot, splits) as stored at `count_ptr`; the
-    split that counts the last one merges all of them into `out_at` (pointers, mask) and zeroes the counter."""
-    part_out_ptr, part_lse_ptr, first, num_splits = parts
-    tl.debug_barrier()  # all of this program's stores are issued before the count says so
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == num_splits - 1:
-        tl.store(count_ptr, 0)  # zero again for the next step (and the next replay of a CUDA graph)
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, dims.shape[0]], tl.float32)
-        m_i, l_i, acc = _fold_parts(
-            m_i, l_i, acc, part_out_ptr, part_lse_ptr, first, num_splits, dims, rows_mask, HEAD_DIM, ".cg"
-        )
-        out_ptrs, out_mask = out_at
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=out_mask)
-
-
 # %% ../../notebooks/deep_dives/06_small_batch_kernels.ipynb #937b72bb
 @triton.jit(do_not_specialize=["num_splits"])
 def _rope_decode_kernel(
@@ -287,3 +266,24 @@ def rope_decode_attention(
     if plan.use_splits and not in_kernel:
         _launch_merge(step, None)
     return out
+
+
+# %% ../../notebooks/deep_dives/06_small_batch_kernels.ipynb #b2e1d4f3
+@triton.jit
+def _merge_if_last(out_at, parts, count_ptr, dims, rows_mask, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Count this split's part (`parts`: outputs, lses, each row's first slot, splits) as stored at `count_ptr`; the
+    split that counts the last one merges all of them into `out_at` (pointers, mask) and zeroes the counter."""
+    part_out_ptr, part_lse_ptr, first, num_splits = parts
+    tl.debug_barrier()  # all of this program's stores are issued before the count says so
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == num_splits - 1:
+        tl.store(count_ptr, 0)  # zero again for the next step (and the next replay of a CUDA graph)
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, dims.shape[0]], tl.float32)
+        m_i, l_i, acc = _fold_parts(
+            m_i, l_i, acc, part_out_ptr, part_lse_ptr, first, num_splits, dims, rows_mask, HEAD_DIM, ".cg"
+        )
+        out_ptrs, out_mask = out_at
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=out_mask)
