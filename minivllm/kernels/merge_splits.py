@@ -59,23 +59,13 @@ def _merge_splits_kernel(
 
 @triton.jit
 def _fold_parts(
-    m_i,
-    l_i,
-    acc,
-    part_out_ptr,
-    part_lse_ptr,
-    first,
-    count,
-    dims,
-    rows_mask,
-    HEAD_DIM: tl.constexpr,
-    CACHE: tl.constexpr,
+    m_i, l_i, acc, part_out_ptr, part_lse_ptr, first, count, dims, row_mask, HEAD_DIM: tl.constexpr, CACHE: tl.constexpr
 ):
     """Fold `count` finished parts (normalized output `o` and `lse`, slots first..) into a running max, sum and output;
     `CACHE` the loads' cache modifier: ".cg" reads past the SM's L1 cache (parts written by other programs of the same
     launch), "" as any load."""
     for p in range(count):
-        lse = tl.load(part_lse_ptr + first + p, mask=rows_mask, other=float("-inf"), cache_modifier=CACHE)
+        lse = tl.load(part_lse_ptr + first + p, mask=row_mask, other=float("-inf"), cache_modifier=CACHE)
         o = tl.load(
             part_out_ptr + (first + p)[:, None] * HEAD_DIM + dims[None, :],
             mask=(lse > float("-inf"))[:, None] & (dims < HEAD_DIM)[None, :],

@@ -80,6 +80,7 @@ def kernel_policy(
     where that kernel is notebook 06's (the `triton` decode backend)."""
     gpu, decode = torch.device(device).type == "cuda", decode or "torch"
     same_cache_dtype = cache_dtype is None or cache_dtype == dtype
+    rope_in_decode = gpu and same_cache_dtype and decode == "triton"
     return KernelPolicy(
         make_attention_backend(decode),
         make_attention_backend(prefill or decode),
@@ -87,8 +88,8 @@ def kernel_policy(
         norms_in_products=gpu,
         few_row_products=gpu and FEW_ROWS and starts_kernels_early(device),
         fused_qk_norm_rope=gpu and same_cache_dtype,
-        rope_in_decode=gpu and same_cache_dtype and decode == "triton",
-        merge_in_decode=gpu and same_cache_dtype and decode == "triton" and MERGE_IN_DECODE,
+        rope_in_decode=rope_in_decode,
+        merge_in_decode=rope_in_decode and MERGE_IN_DECODE,
         triton_activation=gpu,
         fused_moe=gpu,
     )
